@@ -1,0 +1,52 @@
+"""Small helpers shared by the CLI command modules."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from tqdm import tqdm
+
+from kvtool.errors import UsageError
+
+JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """A plain aligned text table; numbers right-aligned."""
+    cells = [[_fmt(row.get(col, "")) for col in columns] for row in rows]
+    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
+    numeric = [all(isinstance(row.get(col), (int, float)) for row in rows) for col in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    typer.echo(line(columns))
+    for r in cells:
+        typer.echo(line(r))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def existing_file(path: Path) -> Path:
+    if not path.exists():
+        raise UsageError(f"no such file: {path}")
+    if path.is_dir():
+        raise UsageError(f"is a directory, not a file: {path}")
+    return path
+
+
+def progress(**kwargs) -> tqdm:
+    """A tqdm bar on stderr that stays silent when stderr is not a terminal."""
+    return tqdm(file=sys.stderr, disable=None, dynamic_ncols=True, **kwargs)

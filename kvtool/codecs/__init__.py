@@ -1,0 +1,59 @@
+"""Codecs: lossless bytes-to-bytes compressors, found through a registry.
+
+>>> from kvtool.codecs import get_codec
+>>> codec = get_codec("zstd:3")
+>>> codec.decode(codec.encode(b"abc" * 100), max_size=300) == b"abc" * 100
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtool.codecs.base import Availability, BufferLike, Codec
+from kvtool.errors import UsageError
+from kvtool.registry import Registry
+
+registry: Registry[type[Codec]] = Registry(
+    "codec",
+    "kvtool.codecs",
+    {
+        "none": "kvtool.codecs.none:NoneCodec",
+        "zstd": "kvtool.codecs.zstd:ZstdCodec",
+        "lz4": "kvtool.codecs.lz4:Lz4Codec",
+        "zlib": "kvtool.codecs.zlib:ZlibCodec",
+        "qat": "kvtool.codecs.qat:QatCodec",
+        "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),
+    },
+)
+
+
+def get_codec(spec: str) -> Codec:
+    """Build a codec from a spec: ``ID`` or ``ID:ARG`` (``zstd``, ``zstd:19``, ``lz4:0``)."""
+    id_, sep, arg = spec.strip().partition(":")
+    if not id_:
+        raise UsageError(f"empty codec spec {spec!r}")
+    cls = registry.get(id_)
+    return cls.from_spec_arg(arg) if sep else cls()
+
+
+def codec_from_config(config: dict[str, Any]) -> Codec:
+    """Rebuild a codec from its ``get_config()`` output, through the registry only."""
+    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+        raise UsageError(f"a codec config must be an object with a string 'id', not {config!r}")
+    return registry.get(config["id"]).from_config(config)
+
+
+def sniff_codec(head: bytes) -> Codec | None:
+    """The available codec whose stream magic starts ``head``, if any."""
+    for id_ in registry.ids():
+        try:
+            cls = registry.get(id_)
+        except Exception:  # a broken plug-in must not stop recognising the others
+            continue
+        if cls.magic and head.startswith(cls.magic) and cls.available().ok:
+            return cls()
+    return None
+
+
+__all__ = ["Availability", "BufferLike", "Codec", "codec_from_config", "get_codec", "registry", "sniff_codec"]

@@ -1,0 +1,108 @@
+"""The codec interface: bytes in, bytes out, rebuilt from a JSON config.
+
+A codec names a wire format. Its ``get_config()`` is all a reader needs to
+rebuild it through the registry; nothing else about the encoder is part of the
+format.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import numpy as np
+
+from kvtool.errors import OutputTooLargeError, UsageError
+
+BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
+def as_memoryview(buf: BufferLike) -> memoryview:
+    """A flat, contiguous byte view of ``buf`` (copies only non-contiguous arrays)."""
+    if isinstance(buf, np.ndarray):
+        buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    view = memoryview(buf)
+    if not view.contiguous:
+        view = memoryview(view.tobytes())
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def check_output_size(size: int, max_size: int) -> None:
+    if size > max_size:
+        raise OutputTooLargeError(f"decoded data is larger than the allowed {max_size} bytes")
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""  # why not, when not ok
+    implementation: str = ""  # e.g. "QAT hardware", "QATzip software fallback", "libzstd 1.5.7"
+
+
+class Codec(abc.ABC):
+    """A lossless bytes-to-bytes transform.
+
+    Subclasses set ``codec_id`` and ``params`` (the names of their config keys),
+    take those as keyword arguments, and implement ``encode``/``decode``.
+    """
+
+    codec_id: ClassVar[str]
+    params: ClassVar[tuple[str, ...]] = ()
+    #: The name of the parameter that ``ID:ARG`` in a spec sets, usually the level.
+    spec_param: ClassVar[str | None] = "level"
+    #: First bytes of every encoded stream, used to recognise plain compressed files.
+    magic: ClassVar[bytes | None] = None
+    #: True when the format carries its own checksum, so corrupt input raises.
+    self_checking: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def encode(self, buf: BufferLike) -> bytes:
+        """Compress ``buf``."""
+
+    @abc.abstractmethod
+    def decode(self, buf: BufferLike, max_size: int) -> bytes:
+        """Decompress ``buf``; raise ``DecodeError`` on bad input and never produce more than ``max_size`` bytes."""
+
+    @classmethod
+    def available(cls) -> Availability:
+        """Whether this codec can run here, and through which implementation."""
+        return Availability(True)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.codec_id, **{name: getattr(self, name) for name in self.params}}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Codec":
+        unknown = set(config) - {"id", *cls.params}
+        if unknown:
+            raise UsageError(f"codec {cls.codec_id!r} has no parameter {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in config.items() if k != "id"})
+
+    @classmethod
+    def from_spec_arg(cls, arg: str) -> "Codec":
+        """Build from the text after ``ID:`` in a spec such as ``zstd:3``."""
+        if cls.spec_param is None:
+            raise UsageError(f"codec {cls.codec_id!r} takes no ':' argument")
+        try:
+            value = int(arg)
+        except ValueError:
+            raise UsageError(f"codec {cls.codec_id!r}: {cls.spec_param} must be an integer, not {arg!r}") from None
+        return cls(**{cls.spec_param: value})
+
+    def spec(self) -> str:
+        """The short spec string for this codec (``zstd:3``), lossless only for spec-settable configs."""
+        if self.spec_param is None:
+            return self.codec_id
+        return f"{self.codec_id}:{getattr(self, self.spec_param)}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,20 @@
+"""The identity codec: stores bytes as they are."""
+
+from __future__ import annotations
+
+from kvtool.codecs.base import BufferLike, Codec, as_memoryview, check_output_size
+
+
+class NoneCodec(Codec):
+    codec_id = "none"
+    spec_param = None
+    # Raw bytes carry no checksum; the .kvz container and the store check them instead.
+    self_checking = False
+
+    def encode(self, buf: BufferLike) -> bytes:
+        return bytes(as_memoryview(buf))
+
+    def decode(self, buf: BufferLike, max_size: int) -> bytes:
+        view = as_memoryview(buf)
+        check_output_size(len(view), max_size)
+        return bytes(view)

@@ -1,0 +1,42 @@
+"""The exceptions kvtool raises on purpose.
+
+Every error a user can cause (bad input, a missing library, corrupt data) is a
+``KvtoolError``; the CLI prints its message as one line and exits with its
+``exit_code``. Anything else escaping is a bug.
+"""
+
+
+class KvtoolError(Exception):
+    """Base of every deliberate kvtool error."""
+
+    exit_code = 1
+
+
+class UsageError(KvtoolError):
+    """The caller asked for something that cannot be done (bad spec, bad option)."""
+
+    exit_code = 2
+
+
+class UnknownIdError(UsageError):
+    """A codec, layout or store id that no registry knows."""
+
+
+class DuplicateIdError(KvtoolError):
+    """Two registrations claim the same id, so the id is ambiguous."""
+
+
+class UnavailableError(KvtoolError):
+    """A registered component whose library or package is missing here."""
+
+    exit_code = 3
+
+
+class DecodeError(KvtoolError):
+    """Input that does not decode: truncated, corrupted, or not this format."""
+
+    exit_code = 4
+
+
+class OutputTooLargeError(DecodeError):
+    """Decoding would produce more bytes than the caller allowed."""

@@ -1,0 +1,19 @@
+"""Conformance suites that every codec, layout and store must pass.
+
+They are pytest base classes shipped in the package, so a third-party plug-in
+proves itself with the same tests kvtool runs on its own components::
+
+    from kvtool.testing import CodecTests
+
+    class TestMyCodec(CodecTests):
+        @pytest.fixture
+        def codec(self):
+            return MyCodec(level=3)
+
+Importing this module needs pytest (the ``test`` extra).
+"""
+
+from kvtool.testing.codecs import CodecTests
+from kvtool.testing.data import kv_like_bf16
+
+__all__ = ["CodecTests", "kv_like_bf16"]

@@ -1,0 +1,20 @@
+"""Every registered codec through the shared conformance suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtool.codecs import get_codec, registry
+from kvtool.testing import CodecTests
+
+SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "lz4:0", "lz4:9", "zlib:1", "zlib:6", "qat", "isal:1"]
+
+
+def test_every_registered_codec_is_covered():
+    assert {spec.partition(":")[0] for spec in SPECS} == set(registry.ids())
+
+
+class TestRegisteredCodecs(CodecTests):
+    @pytest.fixture(params=SPECS)
+    def codec(self, request):
+        return get_codec(request.param)
