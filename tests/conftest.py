@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,3 +21,62 @@ def samples() -> list[Path]:
     paths = sample_paths()
     assert paths, f"no KV cache samples in {SAMPLES}"
     return paths
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port, with no persistence."""
+
+    def __init__(self, workdir: Path, *args: str):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed; the Redis tests need it (Debian: apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log = workdir / f"redis-{self.port}.log"
+        self._command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                         "--appendonly", "no", "--dir", str(workdir), *args]
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> "RedisServer":
+        import redis
+
+        self._proc = subprocess.Popen(self._command, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return self
+            except redis.AuthenticationError:
+                return self  # up, and asking for a password
+            except (OSError, redis.RedisError):
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"redis-server did not start: {self.log.read_text(errors='replace')[-2000:]}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    """A Redis server for the tests: KVTOOL_TEST_REDIS_URL if set, else one started here."""
+    url = os.environ.get("KVTOOL_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> RedisServer:
+    """A Redis server of this test's own, which the test may stop and start."""
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()

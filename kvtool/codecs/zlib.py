@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from types import ModuleType
 
 from kvtool.codecs.base import Availability, BufferLike, Codec, as_memoryview, check_output_size
 from kvtool.errors import DecodeError, UsageError
@@ -28,17 +29,21 @@ class ZlibCodec(Codec):
         return inflate(as_memoryview(buf), max_size, wbits=15, name="zlib")
 
 
-def inflate(view: memoryview, max_size: int, wbits: int, name: str, multi_member: bool = False) -> bytes:
+def inflate(
+    view: memoryview, max_size: int, wbits: int, name: str, multi_member: bool = False, backend: ModuleType = zlib
+) -> bytes:
     """Inflate ``view`` with at most ``max_size`` bytes of output.
 
     ``wbits`` picks the wrapper (15 zlib, 31 gzip). ``multi_member`` accepts
     concatenated gzip members, as ``gzip -d`` does and as QATzip writes.
+    ``backend`` is a module with zlib's ``decompressobj`` and ``error``
+    (``zlib`` or ISA-L's ``isal.isal_zlib``).
     """
     out = bytearray()
     data: bytes | memoryview = view
     try:
         while True:
-            dobj = zlib.decompressobj(wbits)
+            dobj = backend.decompressobj(wbits)
             out += dobj.decompress(data, max_size - len(out) + 1)
             check_output_size(len(out), max_size)
             if not dobj.eof:
@@ -48,5 +53,5 @@ def inflate(view: memoryview, max_size: int, wbits: int, name: str, multi_member
                 return bytes(out)
             if not multi_member:
                 raise DecodeError(f"{len(data)} bytes of trailing data after the {name} stream")
-    except zlib.error as exc:
+    except backend.error as exc:
         raise DecodeError(f"corrupt {name} data: {exc}") from None

@@ -1,0 +1,151 @@
+"""The qat and isal codecs speak plain gzip: with each other, gzip(1), Python's gzip and the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app
+from kvtool.codecs import _qatzip, get_codec
+from kvtool.errors import OutputTooLargeError
+from kvtool.testing.data import kv_like_bf16
+
+GZIP = shutil.which("gzip")
+needs_gzip = pytest.mark.skipif(GZIP is None, reason="the gzip command is not installed")
+
+
+@pytest.fixture(scope="module")
+def data() -> bytes:
+    return kv_like_bf16(tokens=1000, seed=5).tobytes() + b"odd tail"
+
+
+def _gunzip_cli(blob: bytes) -> bytes:
+    return subprocess.run([GZIP, "-dc"], input=blob, capture_output=True, check=True).stdout
+
+
+def _gzip_cli(blob: bytes) -> bytes:
+    return subprocess.run([GZIP, "-c"], input=blob, capture_output=True, check=True).stdout
+
+
+def _count_members(blob: bytes) -> int:
+    count = 0
+    while blob:
+        dobj = zlib.decompressobj(31)
+        dobj.decompress(blob)
+        assert dobj.eof
+        blob, count = dobj.unused_data, count + 1
+    return count
+
+
+@needs_gzip
+@pytest.mark.parametrize("spec", ["qat", "qat:9", "isal:0", "isal:3"])
+def test_output_is_plain_gzip(spec: str, data: bytes):
+    encoded = get_codec(spec).encode(data)
+    assert encoded[:2] == b"\x1f\x8b"
+    assert gzip.decompress(encoded) == data
+    assert _gunzip_cli(encoded) == data
+
+
+@needs_gzip
+@pytest.mark.parametrize("spec", ["qat", "isal"])
+def test_decodes_gzip_from_other_tools(spec: str, data: bytes):
+    codec = get_codec(spec)
+    for stream in (_gzip_cli(data), gzip.compress(data, 9), gzip.compress(b"")):
+        expected = gzip.decompress(stream)
+        assert codec.decode(stream, max_size=len(expected)) == expected
+
+
+@pytest.mark.parametrize("spec", ["qat", "isal"])
+def test_multi_member_gzip(spec: str, data: bytes):
+    stream = gzip.compress(data[:1000]) + gzip.compress(b"") + gzip.compress(data[1000:], 1)
+    codec = get_codec(spec)
+    assert codec.decode(stream, max_size=len(data)) == data
+    with pytest.raises(OutputTooLargeError):
+        codec.decode(stream, max_size=len(data) - 1)
+
+
+def test_qat_and_isal_read_each_other(data: bytes):
+    qat, isal = get_codec("qat"), get_codec("isal:2")
+    assert isal.decode(qat.encode(data), max_size=len(data)) == data
+    assert qat.decode(isal.encode(data), max_size=len(data)) == data
+
+
+def test_large_input_becomes_several_members(monkeypatch, data: bytes):
+    monkeypatch.setattr(_qatzip, "_MAX_CALL", 50_000)
+    encoded = get_codec("qat").encode(data)
+    assert _count_members(encoded) == -(-len(data) // 50_000)
+    assert gzip.decompress(encoded) == data
+    assert get_codec("qat").decode(encoded, max_size=len(data)) == data
+
+
+def test_codecs_json_reports_qatzip():
+    result = CliRunner().invoke(app, ["codecs", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["id"]: row for row in json.loads(result.stdout)}
+    qat = rows["qat"]
+    assert qat["available"], qat["reason"]
+    assert "libqatzip" in qat["implementation"] and qat["library"]
+    expected = "QAT hardware" if qat["hardware"] else "software fallback"
+    assert expected in qat["implementation"]
+    assert rows["isal"]["available"]
+
+
+@needs_gzip
+def test_cli_round_trips_with_gzip(tmp_path: Path, data: bytes):
+    runner = CliRunner()
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+
+    packed = tmp_path / "blob.qat.gz"
+    result = runner.invoke(app, ["compress", "--codec", "qat", str(src), str(packed)])
+    assert result.exit_code == 0, result.output
+    assert _gunzip_cli(packed.read_bytes()) == data
+
+    gz = tmp_path / "blob.gz"
+    gz.write_bytes(_gzip_cli(data))
+    out = tmp_path / "blob.out"
+    result = runner.invoke(app, ["decompress", "--codec", "qat", str(gz), str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == data
+
+
+def test_missing_library_is_unavailable_but_decode_works(tmp_path: Path):
+    """Run in a fresh process: the library is loaded (or not) once per process."""
+    script = textwrap.dedent(
+        """
+        import gzip, json
+        from kvtool.codecs import get_codec
+        from kvtool.codecs.qat import QatCodec
+        from kvtool.errors import UnavailableError
+
+        avail = QatCodec.available()
+        blob = gzip.compress(b"kv" * 1000)
+        decoded = get_codec("qat").decode(blob, max_size=2000) == b"kv" * 1000
+        try:
+            get_codec("qat").encode(b"x")
+            encode_error = None
+        except UnavailableError as exc:
+            encode_error = str(exc)
+        print(json.dumps({"ok": avail.ok, "reason": avail.reason, "decoded": decoded,
+                          "encode_error": encode_error, "details": QatCodec.details()}))
+        """
+    )
+    missing = tmp_path / "no" / "libqatzip.so.3"
+    env = {**os.environ, _qatzip.ENV_VAR: str(missing)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False
+    assert str(missing) in report["reason"] and _qatzip.ENV_VAR in report["reason"]
+    assert report["decoded"] is True
+    assert report["encode_error"] and str(missing) in report["encode_error"]
+    assert report["details"] == {"library": None, "library_version": None, "hardware": False}
