@@ -1,0 +1,184 @@
+"""The layout interface: an invertible, bit-exact reordering of a KV tensor.
+
+A layout maps a list of *planes* to a list of planes. The input of a chain is
+one plane, a K or V tensor block ``[kv_heads, tokens, head_dim]`` in its float
+dtype; a layout may split a plane into several (byte planes, exponent and
+mantissa fields) so that each can be compressed on its own. ``plan`` predicts
+the output planes' names, shapes and dtypes from the input's alone, which is how
+a reader knows every plane's exact size before it decodes any bytes.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvtool.cache import DTYPES
+from kvtool.errors import DecodeError, UsageError
+
+#: The name of a chain's input plane; planes split off it are named by their part alone.
+INPUT_NAME = "data"
+#: Where the tokens are in a chain's input ``[heads, tokens, dim]``, counted from the end.
+TOKEN_AXIS = -2
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """Name, shape and dtype of one plane; its bytes are ``nbytes`` long, C order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @classmethod
+    def of(cls, array: np.ndarray, name: str = "data") -> "PlaneSpec":
+        return cls(name, tuple(array.shape), array.dtype)
+
+
+class Layout(abc.ABC):
+    """An invertible transform of planes. Subclasses set ``layout_id`` and ``params``."""
+
+    layout_id: ClassVar[str]
+    params: ClassVar[tuple[str, ...]] = ()
+    #: The parameter that ``ID:ARG`` in a spec sets, if any.
+    spec_param: ClassVar[str | None] = None
+
+    @abc.abstractmethod
+    def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
+        """The planes ``forward`` returns for inputs like these."""
+
+    @abc.abstractmethod
+    def forward(self, planes: list[np.ndarray]) -> list[np.ndarray]:
+        """Reorder; outputs match ``plan`` and need not be copies where a view will do."""
+
+    @abc.abstractmethod
+    def inverse(self, planes: list[np.ndarray], inputs: list[PlaneSpec]) -> list[np.ndarray]:
+        """Undo ``forward``: given its outputs and the specs of its inputs, return the inputs bit for bit."""
+
+    def axis_after(self, axis: int) -> int:
+        """Where axis ``axis`` (negative, counted from the end) of an input plane lies in the outputs.
+
+        ``parse_layouts`` follows the token axis through a chain with this, so a
+        stage that works along the tokens (``xor-delta``) finds them.
+        """
+        return axis
+
+    def get_config(self) -> dict[str, Any]:
+        return {"id": self.layout_id, **{name: getattr(self, name) for name in self.params}}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Layout":
+        unknown = set(config) - {"id", *cls.params}
+        if unknown:
+            raise UsageError(f"layout {cls.layout_id!r} has no parameter {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in config.items() if k != "id"})
+
+    @classmethod
+    def from_spec_arg(cls, arg: str) -> "Layout":
+        if cls.spec_param is None:
+            raise UsageError(f"layout {cls.layout_id!r} takes no ':' argument")
+        return cls(**{cls.spec_param: arg})
+
+    def spec(self) -> str:
+        if self.spec_param is None:
+            return self.layout_id
+        return f"{self.layout_id}:{getattr(self, self.spec_param)}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.get_config() == other.get_config()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
+        return f"{type(self).__name__}({args})"
+
+
+class PlaneWiseLayout(Layout):
+    """A layout that turns each input plane on its own into one or more output planes."""
+
+    @abc.abstractmethod
+    def plan_plane(self, spec: PlaneSpec) -> list[PlaneSpec]:
+        """The planes one input plane becomes; raises ``UsageError`` for one this layout cannot take."""
+
+    @abc.abstractmethod
+    def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
+        """Split or reorder one plane, already checked by ``plan_plane``."""
+
+    @abc.abstractmethod
+    def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
+        """Rebuild one plane from its outputs, already checked against ``plan_plane``."""
+
+    def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
+        return [out for spec in inputs for out in self.plan_plane(spec)]
+
+    def forward(self, planes: list[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for plane in planes:
+            self.plan_plane(PlaneSpec.of(plane))
+            out.extend(self.forward_plane(plane))
+        return out
+
+    def inverse(self, planes: list[np.ndarray], inputs: list[PlaneSpec]) -> list[np.ndarray]:
+        groups = [self.plan_plane(spec) for spec in inputs]
+        check_planes(self.layout_id, planes, [spec for group in groups for spec in group])
+        result, start = [], 0
+        for spec, group in zip(inputs, groups):
+            result.append(self.inverse_plane(planes[start : start + len(group)], spec))
+            start += len(group)
+        return result
+
+
+def check_planes(layout_id: str, planes: list[np.ndarray], expected: list[PlaneSpec]) -> None:
+    """Raise ``DecodeError`` unless ``planes`` have exactly the expected count, shapes and dtypes."""
+    if len(planes) != len(expected):
+        raise DecodeError(f"layout {layout_id!r}: expected {len(expected)} planes, got {len(planes)}")
+    for plane, spec in zip(planes, expected):
+        if tuple(plane.shape) != tuple(spec.shape) or plane.dtype != np.dtype(spec.dtype):
+            raise DecodeError(
+                f"layout {layout_id!r}: plane {spec.name!r} should be {list(spec.shape)} {dtype_name(spec.dtype)}, "
+                f"got {list(plane.shape)} {dtype_name(plane.dtype)}"
+            )
+
+
+def child_name(parent: str, part: str) -> str:
+    """The name of the plane ``part`` split off ``parent``: ``hi``, or ``mant.hi`` further down a chain."""
+    return part if parent == INPUT_NAME else f"{parent}.{part}"
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """kvtool's name for a dtype (``bf16``), else numpy's (``uint8``)."""
+    dtype = np.dtype(dtype)
+    return next((d.name for d in DTYPES.values() if d.numpy == dtype), dtype.name)
+
+
+def bits_dtype(layout_id: str, dtype: np.dtype) -> np.dtype:
+    """The unsigned integer dtype holding ``dtype``'s bit pattern, for any dtype a layout can reorder.
+
+    That is every dtype in ``kvtool.cache.DTYPES`` and native-order integers and
+    floats of 1, 2, 4 or 8 bytes (the planes earlier stages produce).
+    """
+    bits = _bits_dtype(np.dtype(dtype))
+    if bits is None:
+        raise UsageError(
+            f"layout {layout_id!r} cannot reorder dtype {dtype_name(dtype)}; "
+            f"it takes {', '.join(DTYPES)} and 1-, 2-, 4- or 8-byte integers"
+        )
+    return bits
+
+
+@functools.lru_cache(maxsize=64)
+def _bits_dtype(dtype: np.dtype) -> np.dtype | None:
+    known = any(d.numpy == dtype for d in DTYPES.values())
+    plain = dtype.kind in "uif" and dtype.isnative and dtype.itemsize in (1, 2, 4, 8)
+    return np.dtype(f"u{dtype.itemsize}") if known or plain else None

@@ -1,0 +1,70 @@
+"""``LayoutChain``: layouts applied left to right, with the exact inverse right to left."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from kvtool.layouts.base import Layout, PlaneSpec, check_planes
+
+
+class LayoutChain:
+    """A sequence of layouts that acts as one: ``plan``, ``forward`` and ``inverse`` over all of them.
+
+    ``forward`` returns C-contiguous planes, so their bytes are a free view
+    (``plane.view(np.uint8)``): a stage may return a view of its input (the
+    identity does), and only such planes are copied at the end. ``inverse`` also
+    returns C-contiguous arrays. An empty chain is the identity.
+    """
+
+    def __init__(self, layouts: Iterable[Layout] = ()):
+        self.layouts: tuple[Layout, ...] = tuple(layouts)
+
+    def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
+        return self._stage_specs(inputs)[-1]
+
+    def forward(self, planes: list[np.ndarray]) -> list[np.ndarray]:
+        for layout in self.layouts:
+            planes = layout.forward(planes)
+        return [np.ascontiguousarray(p) for p in planes]
+
+    def inverse(self, planes: list[np.ndarray], inputs: list[PlaneSpec]) -> list[np.ndarray]:
+        """Rebuild the chain's inputs, described by ``inputs``, from its outputs; ``DecodeError`` on a size mismatch."""
+        stage_specs = self._stage_specs(inputs)
+        check_planes(self.spec() or "token-major", planes, stage_specs[-1])
+        for layout, specs in zip(reversed(self.layouts), reversed(stage_specs[:-1])):
+            planes = layout.inverse(planes, specs)
+        return [np.ascontiguousarray(p) for p in planes]
+
+    def _stage_specs(self, inputs: list[PlaneSpec]) -> list[list[PlaneSpec]]:
+        """The specs before each stage and after the last."""
+        specs = [list(inputs)]
+        for layout in self.layouts:
+            specs.append(layout.plan(specs[-1]))
+        return specs
+
+    def get_config(self) -> list[dict[str, Any]]:
+        return [layout.get_config() for layout in self.layouts]
+
+    def spec(self) -> str:
+        """``a|b`` as ``parse_layouts`` reads it; empty for the identity."""
+        return "|".join(layout.spec() for layout in self.layouts)
+
+    def __iter__(self) -> Iterator[Layout]:
+        return iter(self.layouts)
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+    def __getitem__(self, index: int) -> Layout:
+        return self.layouts[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayoutChain) and self.layouts == other.layouts
+
+    def __hash__(self) -> int:
+        return hash(self.layouts)
+
+    def __repr__(self) -> str:
+        return f"LayoutChain({self.spec()!r})"
