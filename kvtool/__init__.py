@@ -1,7 +1,33 @@
 """kvtool: keep LLM KV caches instead of recomputing them.
 
-Importing kvtool loads no optional library (torch, redis, vllm, QATzip); each
-is imported when the component that needs it is first used.
+The library API (``load``, ``save``, ``iter_caches``, ``open_kvz``, ``KVCache``,
+``Recipe``) is imported on first use, and no optional library (torch, redis,
+vllm, QATzip) is imported until the component that needs it is used.
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "load": "kvtool.api",
+    "save": "kvtool.api",
+    "iter_caches": "kvtool.api",
+    "open_kvz": "kvtool.container",
+    "encode_cache": "kvtool.container",
+    "decode_cache": "kvtool.container",
+    "KVCache": "kvtool.cache",
+    "ModelFacts": "kvtool.cache",
+    "Recipe": "kvtool.recipe",
+    "DEFAULT_RECIPE": "kvtool.recipe",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvtool' has no attribute {name!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -16,8 +16,12 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     On any exception the temporary file is removed and ``path`` is left untouched.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
+    # os.open applies the umask to 0o666, as an ordinary new file gets; an existing file keeps its mode.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
+        if path.exists():
+            os.fchmod(fd, path.stat().st_mode & 0o7777)
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()

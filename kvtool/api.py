@@ -1,0 +1,73 @@
+"""The library API for pipeline scripts: load, save and iterate over KV caches.
+
+>>> import kvtool
+>>> cache = kvtool.load("samples/code.safetensors", layers=[0, 1], tokens=slice(0, 128))
+>>> size = kvtool.save(cache, "/tmp/code.kvz", recipe="byteplane|zstd:1")
+>>> kvtool.load("/tmp/code.kvz").equal_bits(cache)
+True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from tqdm import tqdm
+
+from kvtool import container
+from kvtool.cache import KVCache, ModelFacts
+from kvtool.recipe import DEFAULT_RECIPE, Recipe
+
+
+def load(
+    path: str | os.PathLike,
+    layers: Sequence[int] | None = None,
+    tokens: slice | None = None,
+    pattern: str | None = None,
+    model: ModelFacts | None = None,
+) -> KVCache:
+    """A cache from a .kvz or a safetensors file, reading only the layers and tokens asked for.
+
+    ``pattern`` and ``model`` describe safetensors files written by other tools
+    (see ``KVCache.load``).
+    """
+    if container.is_kvz(path):
+        with container.open_kvz(path) as reader:
+            return reader.read(layers=layers, tokens=tokens)
+    return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
+
+
+def save(
+    cache: KVCache,
+    path: str | os.PathLike,
+    recipe: Recipe | str = DEFAULT_RECIPE,
+    chunk_tokens: int = container.DEFAULT_CHUNK_TOKENS,
+    threads: int | None = None,
+    metadata: dict[str, str] | None = None,
+    progress: bool = False,
+) -> int:
+    """Write ``cache`` as a .kvz with ``recipe`` (atomically); return the file size."""
+    with _bar(progress, cache.nbytes, Path(path).name) as bar:
+        return container.save(cache, path, recipe, chunk_tokens, threads, metadata, on_progress=bar.update)
+
+
+def iter_caches(
+    paths: Iterable[str | os.PathLike],
+    layers: Sequence[int] | None = None,
+    tokens: slice | None = None,
+    progress: bool = True,
+) -> Iterator[tuple[Path, KVCache]]:
+    """``(path, cache)`` for each file, with a progress bar over the files."""
+    paths = [Path(p) for p in paths]
+    for path in tqdm(paths, desc="caches", unit="file", file=sys.stderr, disable=None if progress else True):
+        yield path, load(path, layers=layers, tokens=tokens)
+
+
+def _bar(enabled: bool, total: int, desc: str) -> tqdm:
+    """A byte progress bar on stderr: silent when disabled or when stderr is not a terminal."""
+    return tqdm(
+        total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+        file=sys.stderr, disable=None if enabled else True, leave=False,
+    )

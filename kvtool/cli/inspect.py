@@ -1,0 +1,160 @@
+"""``kvtool inspect``: what a KV cache file holds and how its bits are distributed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import typer
+
+from kvtool import container, stats
+from kvtool.cache import KVCache
+from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
+from kvtool.units import format_size
+
+PATTERN_HELP = "Tensor-name pattern of a cache from another tool, e.g. 'model.layers.{layer}.self_attn.{k|v}'."
+
+
+def inspect(
+    file: Path = typer.Argument(..., help="A KV cache: a safetensors dump or a .kvz file."),
+    json_out: bool = JSON_OPTION,
+    pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help=PATTERN_HELP),
+):
+    """Show a cache's model, shape, dtype and provenance; for a raw cache the statistics of its
+    K and V values per layer, for a .kvz its recipe and compression ratios."""
+    report = file_report(existing_file(file), pattern)
+    if json_out:
+        print_json(report)
+    elif report["type"] == KVZ_TYPE:
+        print_kvz_report(report)
+    else:
+        print_raw_cache_report(report)
+
+
+KVZ_TYPE = "compressed cache (.kvz)"
+
+
+def file_report(path: Path, pattern: str | None) -> dict[str, Any]:
+    """The report for a file, by its type: a .kvz container or a raw cache in safetensors."""
+    if container.is_kvz(path):
+        with container.open_kvz(path) as reader:
+            return kvz_report(reader, path)
+    return raw_cache_report(KVCache.load(path, pattern=pattern), path)
+
+
+def kvz_report(reader: container.KvzReader, path: Path) -> dict[str, Any]:
+    """Facts of a .kvz and its compression ratio overall, per layer, per K/V and per plane (from the index alone)."""
+    heads, tokens, dim = reader.tensors[0][2] if reader.tensors else (0, 0, 0)
+    return {
+        "file": str(path),
+        "type": KVZ_TYPE,
+        "recipe": reader.recipe.spec(),
+        "recipe_config": reader.recipe.to_config(),
+        "model": reader.model.to_dict(),
+        "layers": len(reader.layer_ids),
+        "layer_ids": reader.layer_ids,
+        "kv_heads": heads,
+        "head_dim": dim,
+        "dtype": reader.dtype.name,
+        "tokens": tokens,
+        "token_start": reader.token_start,
+        "chunk_tokens": reader.chunk_tokens,
+        "chunks": len(reader.index),
+        "file_bytes": path.stat().st_size,
+        "provenance": reader.provenance,
+        "metadata": reader.metadata,
+        "sizes": reader.sizes(),
+    }
+
+
+def raw_cache_report(cache: KVCache, path: Path) -> dict[str, Any]:
+    """Facts of a raw cache and, per layer and K/V, value range, zeros, exponents and byte-plane entropy."""
+    heads, _, dim = cache.keys[0].shape if cache.keys else (0, 0, 0)
+    return {
+        "file": str(path),
+        "type": "raw cache (safetensors)",
+        "model": cache.model.to_dict(),
+        "layers": cache.num_layers,
+        "layer_ids": cache.layer_ids,
+        "kv_heads": heads,
+        "head_dim": dim,
+        "dtype": cache.dtype.name,
+        "tokens": cache.num_tokens,
+        "token_start": cache.token_start,
+        "bytes": cache.nbytes,
+        "bytes_per_token": cache.bytes_per_token,
+        "provenance": cache.provenance,
+        "tensors": [tensor_report(layer, kind, array) for layer, kind, array in cache.tensors()],
+    }
+
+
+def tensor_report(layer: int, kind: str, array: np.ndarray) -> dict[str, Any]:
+    values = array.astype(np.float32)
+    finite = values[np.isfinite(values)]
+    count = max(values.size, 1)
+    return {
+        "layer": layer,
+        "kind": "key" if kind == "k" else "value",
+        "min": float(finite.min()) if finite.size else None,
+        "max": float(finite.max()) if finite.size else None,
+        "zeros": round(int(np.count_nonzero(values == 0)) / count, 6),
+        "nonfinite": int(values.size - finite.size),
+        "exponent": stats.exponent_summary(array),
+        "byte_entropy_bits": [round(h, 4) for h in stats.byte_plane_entropies(array)],
+    }
+
+
+def print_raw_cache_report(report: dict[str, Any]) -> None:
+    model = report["model"]
+    typer.echo(f"{report['file']}: {report['type']}")
+    typer.echo(f"  model       {model['model_id']} ({model['architecture']}), keys post-RoPE: {model['keys_post_rope']}")
+    typer.echo(
+        f"  shape       {report['layers']} layers x K/V [{report['kv_heads']} heads, {report['tokens']} tokens, "
+        f"{report['head_dim']} dims] {report['dtype']}, tokens from {report['token_start']}"
+    )
+    typer.echo(f"  size        {format_size(report['bytes'])}, {report['bytes_per_token']} bytes/token")
+    typer.echo("  provenance")
+    width = max(map(len, report["provenance"]), default=0)
+    for key, value in report["provenance"].items():
+        typer.echo(f"    {key:<{width}}  {value}")
+    rows = []
+    for t in report["tensors"]:
+        exp = t["exponent"]
+        rows.append({
+            "layer": t["layer"],
+            "kv": t["kind"][0].upper(),
+            "min": t["min"],
+            "max": t["max"],
+            "zeros": t["zeros"],
+            "exp range": f"{exp['min']}..{exp['max']}" if exp["min"] is not None else "-",
+            "common exps": " ".join(str(e["exponent"]) for e in exp["top"]),
+            "H(exp)": exp["entropy_bits"],
+            "H(bytes) msb..lsb": " ".join(f"{h:.2f}" for h in t["byte_entropy_bits"]),
+        })
+    typer.echo("")
+    print_table(rows, list(rows[0]) if rows else ["layer"])
+
+
+def print_kvz_report(report: dict[str, Any]) -> None:
+    sizes = report["sizes"]
+    total = sizes["total"]
+    typer.echo(f"{report['file']}: {report['type']}")
+    typer.echo(f"  recipe      {report['recipe']}")
+    typer.echo(
+        f"  shape       {report['layers']} layers x K/V [{report['kv_heads']} heads, {report['tokens']} tokens, "
+        f"{report['head_dim']} dims] {report['dtype']}, {report['chunks']} chunks of {report['chunk_tokens']} tokens"
+    )
+    typer.echo(f"  model       {report['model']['model_id']} ({report['model']['architecture']})")
+    typer.echo(
+        f"  size        {format_size(total['raw'])} -> {format_size(report['file_bytes'])} on disk "
+        f"({format_size(total['stored'])} of chunks), ratio {total['raw'] / max(report['file_bytes'], 1):.3f}"
+    )
+    for title, group in (("K/V", "by_kind"), ("plane", "by_plane"), ("layer", "by_layer")):
+        rows = [{title: name, "raw": v["raw"], "stored": v["stored"], "ratio": v["ratio"]} for name, v in sizes[group].items()]
+        typer.echo("")
+        print_table(rows, [title, "raw", "stored", "ratio"])
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect)

@@ -1,0 +1,514 @@
+"""The ``.kvz`` container: a KV cache cut into checksummed, compressed chunks.
+
+Layout of a file (all integers little-endian; docs/FORMAT.md is the reference)::
+
+    preamble   magic (8) | version u32 | header length u32
+    header     JSON: recipe, tensor manifest, model facts, provenance, metadata
+    chunks     one per (tensor, token block, plane), back to back
+    index      one 56-byte record per chunk
+    trailer    64 bytes: index offset and length, chunk count, header length,
+               xxh3-64 of header, index and trailer; end magic
+
+A writer streams (header first, index last); a reader seeks to the trailer,
+checks every size before it allocates, and reads only the chunks it needs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from kvtool.cache import AXES, KVCache, ModelFacts, dtype_of
+from kvtool.errors import DecodeError, KvtoolError, UsageError
+from kvtool.fileio import atomic_write
+from kvtool.layouts.base import PlaneSpec
+from kvtool.recipe import DEFAULT_RECIPE, Recipe
+
+MAGIC = b"\x89KVZ\r\n\x1a\n"
+END_MAGIC = b"KVZ-END\n"
+VERSION = 1
+PREAMBLE = struct.Struct("<8sII")
+TRAILER = struct.Struct("<QQQQQQQ8s")
+MAX_HEADER = 16 << 20
+MAX_CHUNK_TOKENS = 1 << 20
+DEFAULT_CHUNK_TOKENS = 256
+FLAG_STORED_RAW = 1
+
+INDEX_DTYPE = np.dtype(
+    [
+        ("tensor", "<u4"),  # position in the header's tensor manifest
+        ("plane", "<u2"),  # position in the recipe's plane list
+        ("flags", "<u2"),  # FLAG_STORED_RAW: bytes stored without the codec
+        ("token_start", "<u4"),
+        ("token_count", "<u4"),
+        ("offset", "<u8"),  # from the start of the file
+        ("stored_len", "<u8"),
+        ("raw_len", "<u8"),
+        ("stored_xxh3", "<u8"),  # of the bytes as stored
+        ("raw_xxh3", "<u8"),  # of the plane's bytes before compression
+    ]
+)
+assert INDEX_DTYPE.itemsize == 56
+
+
+class KvzFormatError(DecodeError):
+    """Not a .kvz file, an unsupported version, or a header that breaks the format's rules."""
+
+
+class KvzCorruptError(DecodeError):
+    """A checksum mismatch, a truncation, or sizes that do not add up."""
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Block:
+    tensor: int
+    token_start: int
+    array: np.ndarray
+
+
+def write_cache(
+    out: BinaryIO,
+    cache: KVCache,
+    recipe: Recipe | str = DEFAULT_RECIPE,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    threads: int | None = None,
+    metadata: dict[str, str] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> int:
+    """Stream ``cache`` as a .kvz into ``out``; return the bytes written.
+
+    Token blocks are transformed and compressed on ``threads`` workers (all
+    cores by default) while at most a few blocks per worker are in flight.
+    ``on_progress`` receives the raw bytes of each finished block.
+    """
+    recipe = Recipe.parse(recipe) if isinstance(recipe, str) else recipe
+    if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+        raise UsageError(f"chunk tokens must be in 1..{MAX_CHUNK_TOKENS}, not {chunk_tokens}")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise UsageError("user metadata must map strings to strings")
+    tensors = list(cache.tensors())
+    if tensors:
+        recipe.plan(PlaneSpec.of(tensors[0][2][:, :1]))  # fail early on a recipe that does not fit the dtype
+    header = _header_bytes(cache, recipe, chunk_tokens, metadata or {})
+    out.write(PREAMBLE.pack(MAGIC, VERSION, len(header)))
+    out.write(header)
+    offset = PREAMBLE.size + len(header)
+
+    blocks = (
+        _Block(i, start, array[:, start : start + chunk_tokens])
+        for i, (_, _, array) in enumerate(tensors)
+        for start in range(0, array.shape[1], chunk_tokens)
+    )
+    records = []
+    for block, chunks in _map_bounded(lambda b: _encode_block(b, recipe), blocks, threads):
+        for plane, (flags, raw_len, raw_hash, stored) in enumerate(chunks):
+            out.write(stored)
+            records.append(
+                (block.tensor, plane, flags, block.token_start, block.array.shape[1], offset,
+                 len(stored), raw_len, xxhash.xxh3_64_intdigest(stored), raw_hash)
+            )
+            offset += len(stored)
+        if on_progress:
+            on_progress(block.array.nbytes)
+    index = np.array(records, dtype=INDEX_DTYPE).tobytes()
+    out.write(index)
+    fields = (offset, len(index), len(records), len(header), xxhash.xxh3_64_intdigest(header), xxhash.xxh3_64_intdigest(index))
+    out.write(TRAILER.pack(*fields, _trailer_hash(fields), END_MAGIC))
+    return offset + len(index) + TRAILER.size
+
+
+def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, bytes]]:
+    planes = recipe.layouts.forward([block.array])
+    specs = recipe.plan(PlaneSpec.of(block.array))
+    out = []
+    for spec, plane in zip(specs, planes):
+        raw = _plane_bytes(plane)
+        stored = recipe.codec_for(spec.name).encode(raw)
+        flags = 0
+        if len(stored) >= len(raw):
+            stored, flags = bytes(raw), FLAG_STORED_RAW
+        out.append((flags, len(raw), xxhash.xxh3_64_intdigest(raw), stored))
+    return out
+
+
+def _plane_bytes(plane: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(plane).reshape(-1).view(np.uint8))
+
+
+def _map_bounded(fn, items: Iterable, threads: int | None) -> Iterator[tuple[Any, Any]]:
+    """``(item, fn(item))`` in order, computed on a pool with a bounded number in flight."""
+    workers = threads or os.cpu_count() or 1
+    if workers == 1:
+        for item in items:
+            yield item, fn(item)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        pending: list = []
+        for item in items:
+            pending.append((item, pool.submit(fn, item)))
+            if len(pending) >= 4 * workers:
+                first, future = pending.pop(0)
+                yield first, future.result()
+        for item, future in pending:
+            yield item, future.result()
+
+
+def _header_bytes(cache: KVCache, recipe: Recipe, chunk_tokens: int, metadata: dict[str, str]) -> bytes:
+    header = {
+        "format": "kvz",
+        "version": VERSION,
+        "recipe": recipe.to_config(),
+        "chunk_tokens": chunk_tokens,
+        "dtype": cache.dtype.name,
+        "axes": list(AXES),
+        "token_start": cache.token_start,
+        "tensors": [{"layer": layer, "kind": kind, "shape": list(a.shape)} for layer, kind, a in cache.tensors()],
+        "model": cache.model.to_dict(),
+        "provenance": cache.provenance,
+        "metadata": metadata,
+    }
+    data = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    if len(data) > MAX_HEADER:
+        raise UsageError(f"the header would be {len(data)} bytes, over the {MAX_HEADER}-byte limit")
+    return data
+
+
+def _trailer_hash(fields: Sequence[int]) -> int:
+    return xxhash.xxh3_64_intdigest(struct.pack("<6Q", *fields))
+
+
+def save(
+    cache: KVCache,
+    path: str | os.PathLike,
+    recipe: Recipe | str = DEFAULT_RECIPE,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    threads: int | None = None,
+    metadata: dict[str, str] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write ``cache`` to a .kvz file atomically; return its size in bytes."""
+    with atomic_write(path) as f:
+        return write_cache(f, cache, recipe, chunk_tokens, threads, metadata, on_progress)
+
+
+def encode_cache(cache: KVCache, recipe: Recipe | str = DEFAULT_RECIPE, **kwargs) -> bytes:
+    """The .kvz bytes of ``cache``, for stores and network transfers."""
+    buf = io.BytesIO()
+    write_cache(buf, cache, recipe, **kwargs)
+    return buf.getvalue()
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+class _FileSource:
+    """Positioned reads from a file, counting what was read."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "rb")
+        self.size = os.fstat(self._f.fileno()).st_size
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = os.pread(self._f.fileno(), length, offset)
+        with self._lock:
+            self.bytes_read += len(data)
+        if len(data) != length:
+            raise KvzCorruptError(f"file ends early: wanted {length} bytes at {offset}, got {len(data)}")
+        return data
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _BytesSource:
+    def __init__(self, data: bytes | bytearray | memoryview):
+        self._data = memoryview(data).cast("B")
+        self.size = len(self._data)
+        self.bytes_read = 0
+
+    def read(self, offset: int, length: int) -> memoryview:
+        self.bytes_read += length
+        return self._data[offset : offset + length]
+
+    def close(self) -> None:
+        self._data.release()
+
+
+class KvzReader:
+    """A validated .kvz: header and index are read and checked on open; chunks on demand.
+
+    Use ``open_kvz(path)`` or ``KvzReader.from_bytes(blob)``; then ``read()``
+    for a cache (optionally some layers and a token range), ``verify()`` to
+    check every checksum.
+    """
+
+    def __init__(self, source, name: str = "<bytes>"):
+        self._source = source
+        self.name = name
+        try:
+            self._load()
+        except BaseException:
+            source.close()
+            raise
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "KvzReader":
+        return cls(_BytesSource(data))
+
+    def __enter__(self) -> "KvzReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._source.close()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes fetched from the file so far (header, index and chunks)."""
+        return self._source.bytes_read
+
+    # -- validation on open -----------------------------------------------------------------
+    def _fail(self, cls, message: str):
+        raise cls(f"{self.name}: {message}")
+
+    def _load(self) -> None:
+        src = self._source
+        if src.size < PREAMBLE.size + TRAILER.size:
+            if src.size >= 8 and bytes(src.read(0, 8)) != MAGIC:
+                self._fail(KvzFormatError, "not a .kvz file")
+            self._fail(KvzCorruptError, f"truncated: only {src.size} bytes")
+        magic, version, header_len = PREAMBLE.unpack(src.read(0, PREAMBLE.size))
+        if magic != MAGIC:
+            self._fail(KvzFormatError, "not a .kvz file (bad magic)")
+        if version != VERSION:
+            self._fail(KvzFormatError, f"format version {version} is not supported (this kvtool reads version {VERSION})")
+        *fields, trailer_hash, end = TRAILER.unpack(src.read(src.size - TRAILER.size, TRAILER.size))
+        if end != END_MAGIC or trailer_hash != _trailer_hash(fields):
+            self._fail(KvzCorruptError, "the trailer is damaged or missing (truncated or corrupt file)")
+        index_offset, index_len, n_chunks, trailer_header_len, header_hash, index_hash = fields
+        if trailer_header_len != header_len or header_len > MAX_HEADER:
+            self._fail(KvzCorruptError, f"header length {header_len} disagrees with the trailer or exceeds {MAX_HEADER}")
+        data_start = PREAMBLE.size + header_len
+        if index_len != n_chunks * INDEX_DTYPE.itemsize or index_offset < data_start:
+            self._fail(KvzCorruptError, "index size or position is inconsistent")
+        if index_offset + index_len + TRAILER.size != src.size:
+            self._fail(KvzCorruptError, "the file length does not match the trailer (trailing or missing bytes)")
+        header_bytes = bytes(src.read(PREAMBLE.size, header_len))
+        if xxhash.xxh3_64_intdigest(header_bytes) != header_hash:
+            self._fail(KvzCorruptError, "header checksum mismatch")
+        index_bytes = bytes(src.read(index_offset, index_len))
+        if xxhash.xxh3_64_intdigest(index_bytes) != index_hash:
+            self._fail(KvzCorruptError, "index checksum mismatch")
+        try:
+            header = json.loads(header_bytes)
+        except ValueError:
+            self._fail(KvzFormatError, "header is not valid JSON")
+        self._parse_header(header)
+        self.index = np.frombuffer(index_bytes, dtype=INDEX_DTYPE)
+        self._check_index(data_start, index_offset)
+
+    def _parse_header(self, header: Any) -> None:
+        try:
+            if header.get("format") != "kvz" or header.get("version") != VERSION:
+                self._fail(KvzFormatError, "header does not describe a version-1 .kvz")
+            if header.get("axes") != list(AXES):
+                self._fail(KvzFormatError, f"unsupported axes {header.get('axes')}")
+            self.dtype = dtype_of(header["dtype"])
+            self.chunk_tokens = int(header["chunk_tokens"])
+            if not 1 <= self.chunk_tokens <= MAX_CHUNK_TOKENS:
+                self._fail(KvzFormatError, f"chunk tokens {self.chunk_tokens} out of range")
+            self.tensors = [(int(t["layer"]), str(t["kind"]), tuple(int(s) for s in t["shape"])) for t in header["tensors"]]
+            self.model = ModelFacts.from_dict(header["model"])
+            self.provenance = dict(header["provenance"])
+            self.metadata = {str(k): str(v) for k, v in header.get("metadata", {}).items()}
+            self.token_start = int(header["token_start"])
+            self.recipe = Recipe.from_config(header["recipe"])
+        except KvtoolError as exc:
+            if isinstance(exc, DecodeError):
+                raise
+            self._fail(KvzFormatError, f"header names something this kvtool cannot rebuild: {exc}")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._fail(KvzFormatError, f"malformed header ({type(exc).__name__}: {exc})")
+        self._validate_manifest()
+
+    def _validate_manifest(self) -> None:
+        if not self.tensors:
+            self.num_tokens = 0
+            self.layer_ids: list[int] = []
+            self._planes_by_len: dict[int, list[PlaneSpec]] = {}
+            return
+        shapes = {shape for _, _, shape in self.tensors}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 3 or min(next(iter(shapes))) < 0:
+            self._fail(KvzFormatError, f"tensor shapes must be one shared [heads, tokens, dim], found {sorted(shapes)}")
+        heads, self.num_tokens, dim = next(iter(shapes))
+        if heads * dim * self.dtype.itemsize > MAX_HEADER * 64:
+            self._fail(KvzFormatError, "tensor rows are implausibly large")
+        kinds = [kind for _, kind, _ in self.tensors]
+        self.layer_ids = [layer for layer, kind, _ in self.tensors if kind == "k"]
+        if kinds != ["k", "v"] * len(self.layer_ids) or [l for l, _, _ in self.tensors][1::2] != self.layer_ids:
+            self._fail(KvzFormatError, "the tensor manifest must list K then V for each layer")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            self._fail(KvzFormatError, "a layer appears twice in the manifest")
+        self._heads, self._dim = heads, dim
+        self._planes_by_len = {}
+
+    def planes_for(self, tokens: int) -> list[PlaneSpec]:
+        """The recipe's planes for a block of ``tokens`` tokens."""
+        if tokens not in self._planes_by_len:
+            block = PlaneSpec("data", (self._heads, tokens, self._dim), self.dtype.numpy)
+            try:
+                self._planes_by_len[tokens] = self.recipe.plan(block)
+            except KvtoolError as exc:
+                self._fail(KvzFormatError, f"recipe does not fit the tensors: {exc}")
+        return self._planes_by_len[tokens]
+
+    def _check_index(self, data_start: int, data_end: int) -> None:
+        """Chunks must tile the data region in order and cover every tensor block and plane exactly once."""
+        idx = self.index
+        if len(idx) and (idx["offset"][0] != data_start or np.any(idx["offset"][1:] != idx["offset"][:-1] + idx["stored_len"][:-1])):
+            self._fail(KvzCorruptError, "chunk offsets do not tile the data region")
+        end = int(idx["offset"][-1] + idx["stored_len"][-1]) if len(idx) else data_start
+        if end != data_end:
+            self._fail(KvzCorruptError, "chunks do not end where the index begins")
+        expected = []
+        for t in range(len(self.tensors)):
+            for start in range(0, self.num_tokens, self.chunk_tokens):
+                count = min(self.chunk_tokens, self.num_tokens - start)
+                for p, spec in enumerate(self.planes_for(count)):
+                    expected.append((t, p, start, count, spec.nbytes))
+        if len(expected) != len(idx):
+            self._fail(KvzCorruptError, f"index has {len(idx)} chunks, the manifest needs {len(expected)}")
+        got = np.stack([idx["tensor"], idx["plane"], idx["token_start"], idx["token_count"], idx["raw_len"]], axis=1) if len(idx) else np.zeros((0, 5))
+        if len(idx) and not np.array_equal(got.astype(np.int64), np.array(expected, dtype=np.int64)):
+            self._fail(KvzCorruptError, "index entries do not match the tensor manifest")
+        raw = (idx["flags"] & FLAG_STORED_RAW) != 0
+        if np.any(idx["flags"] & ~np.uint16(FLAG_STORED_RAW)) or np.any(idx["stored_len"][raw] != idx["raw_len"][raw]):
+            self._fail(KvzCorruptError, "bad chunk flags")
+        self._rows = {}
+        for row, (t, _, start, _, _) in enumerate(expected):
+            self._rows.setdefault((t, start), []).append(row)
+
+    # -- reading chunks ---------------------------------------------------------------------
+    def _decode_block(self, tensor: int, start: int) -> np.ndarray:
+        rows = self._rows[(tensor, start)]
+        specs = self.planes_for(int(self.index[rows[0]]["token_count"]))
+        planes = []
+        for row, spec in zip(rows, specs):
+            entry = self.index[row]
+            stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
+            if xxhash.xxh3_64_intdigest(stored) != int(entry["stored_xxh3"]):
+                self._fail(KvzCorruptError, f"checksum mismatch in chunk {row} (layer {self.tensors[tensor][0]} {self.tensors[tensor][1]})")
+            if entry["flags"] & FLAG_STORED_RAW:
+                raw = bytes(stored)
+            else:
+                raw = self.recipe.codec_for(spec.name).decode(stored, max_size=int(entry["raw_len"]))
+            if len(raw) != entry["raw_len"] or xxhash.xxh3_64_intdigest(raw) != int(entry["raw_xxh3"]):
+                self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
+            planes.append(np.frombuffer(raw, dtype=spec.dtype).reshape(spec.shape))
+        block_spec = PlaneSpec("data", (self._heads, int(self.index[rows[0]]["token_count"]), self._dim), self.dtype.numpy)
+        return self.recipe.layouts.inverse(planes, [block_spec])[0]
+
+    def read(
+        self,
+        layers: Sequence[int] | None = None,
+        tokens: slice | None = None,
+        threads: int | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> KVCache:
+        """Decode the cache, or only ``layers`` (model layer ids) and a token range, reading only their chunks."""
+        wanted = self.layer_ids if layers is None else list(layers)
+        missing = [l for l in wanted if l not in self.layer_ids]
+        if missing:
+            raise UsageError(f"{self.name}: no layers {missing} (it holds {self.layer_ids})")
+        start, stop, step = (tokens or slice(None)).indices(self.num_tokens)
+        if step != 1:
+            raise UsageError("token ranges must be contiguous")
+        stop = max(start, stop)
+        positions = [2 * self.layer_ids.index(layer) + kv for layer in wanted for kv in (0, 1)]
+        tensors = [np.empty((self._heads, stop - start, self._dim), self.dtype.numpy) for _ in positions]
+        first = start - start % self.chunk_tokens
+        jobs = [(out, t, block) for out, t in zip(tensors, positions) for block in range(first, stop, self.chunk_tokens)]
+
+        def decode_into(job) -> int:
+            out, t, block = job
+            array = self._decode_block(t, block)
+            lo, hi = max(start, block), min(stop, block + array.shape[1])
+            out[:, lo - start : hi - start] = array[:, lo - block : hi - block]
+            return array.nbytes
+
+        for _, nbytes in _map_bounded(decode_into, jobs, threads):
+            if on_progress:
+                on_progress(nbytes)
+        return KVCache(
+            tensors[0::2], tensors[1::2], self.model, dict(self.provenance),
+            layer_ids=list(wanted), token_start=self.token_start + start,
+        )
+
+    def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
+        """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum."""
+        for row, entry in enumerate(self.index):
+            stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
+            if xxhash.xxh3_64_intdigest(stored) != int(entry["stored_xxh3"]):
+                self._fail(KvzCorruptError, f"checksum mismatch in chunk {row}")
+            if on_progress:
+                on_progress(int(entry["raw_len"]))
+        if full:
+            for t in range(len(self.tensors)):
+                for start in range(0, self.num_tokens, self.chunk_tokens):
+                    self._decode_block(t, start)
+
+    def sizes(self) -> dict[str, Any]:
+        """Raw and stored bytes per layer, per K/V and per plane, from the index alone."""
+        raw = self.index["raw_len"].astype(np.int64)
+        stored = self.index["stored_len"].astype(np.int64)
+        specs = self.planes_for(min(self.chunk_tokens, self.num_tokens)) if self.num_tokens else []
+        names = [s.name for s in specs]
+
+        def group(keys) -> dict:
+            out: dict = {}
+            for key, r, s in zip(keys, raw, stored):
+                entry = out.setdefault(key, [0, 0])
+                entry[0] += int(r)
+                entry[1] += int(s)
+            return {k: {"raw": r, "stored": s, "ratio": r / s if s else 1.0} for k, (r, s) in out.items()}
+
+        return {
+            "total": group(["all"] * len(raw))["all"] if len(raw) else {"raw": 0, "stored": 0, "ratio": 1.0},
+            "by_kind": group(self.tensors[t][1] for t in self.index["tensor"]),
+            "by_layer": group(self.tensors[t][0] for t in self.index["tensor"]),
+            "by_plane": group(names[p] for p in self.index["plane"]),
+        }
+
+
+def open_kvz(path: str | os.PathLike) -> KvzReader:
+    """Open and validate a .kvz file (header, index, trailer); chunks are read on demand."""
+    path = Path(path)
+    return KvzReader(_FileSource(path), name=str(path))
+
+
+def decode_cache(data: bytes | bytearray | memoryview, layers: Sequence[int] | None = None, tokens: slice | None = None) -> KVCache:
+    """The cache held in .kvz bytes (all of it, or some layers and tokens)."""
+    with KvzReader.from_bytes(data) as reader:
+        return reader.read(layers=layers, tokens=tokens)
+
+
+def is_kvz(path: str | os.PathLike) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC

@@ -1,0 +1,112 @@
+"""Recipes: a layout chain plus the codec for each plane it produces.
+
+A recipe is written as a spec string, layouts then one codec stage::
+
+    zstd:3                                  no reordering, zstd level 3
+    byteplane|zstd:1                        split bytes, zstd level 1 on each plane
+    channel-major|bf16-split|zstd:1,mant=none
+                                            per-plane codecs: zstd:1 by default,
+                                            the "mant" plane stored as is
+
+The codec stage is a comma-separated list: an optional default codec, then
+``PLANE=CODEC`` overrides for planes named by the layouts. In a file the recipe
+is data (``to_config``) and is rebuilt only through the registries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtool.codecs import Codec, codec_from_config, get_codec, registry as codec_registry
+from kvtool.errors import KvtoolError, UsageError
+from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
+from kvtool.layouts import registry as layout_registry
+from kvtool.layouts.base import PlaneSpec
+
+DEFAULT_RECIPE = "byteplane|zstd:1"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    layouts: LayoutChain
+    codec: Codec
+    plane_codecs: dict[str, Codec] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> "Recipe":
+        """Parse ``LAYOUT[|LAYOUT...]|CODEC[:LEVEL][,PLANE=CODEC...]``; errors name the bad stage."""
+        stages = [s.strip() for s in spec.split("|")]
+        if not spec.strip() or any(not s for s in stages):
+            raise UsageError(f"recipe {spec!r}: empty stage; write e.g. {DEFAULT_RECIPE!r}")
+        *layout_stages, codec_stage = stages
+        codec, plane_codecs = _parse_codec_stage(codec_stage, spec)
+        try:
+            layouts = parse_layouts("|".join(layout_stages))
+        except KvtoolError as exc:
+            raise type(exc)(f"recipe {spec!r}: {exc}") from None
+        return cls(layouts, codec, plane_codecs)
+
+    def spec(self) -> str:
+        codec_stage = ",".join([self.codec.spec()] + [f"{p}={c.spec()}" for p, c in self.plane_codecs.items()])
+        layouts = self.layouts.spec()
+        return f"{layouts}|{codec_stage}" if layouts else codec_stage
+
+    def codec_for(self, plane: str) -> Codec:
+        return self.plane_codecs.get(plane, self.codec)
+
+    def plan(self, tensor: PlaneSpec) -> list[PlaneSpec]:
+        """The planes this recipe cuts a tensor block into, checking per-plane codec names."""
+        planes = self.layouts.plan([tensor])
+        unknown = set(self.plane_codecs) - {p.name for p in planes}
+        if unknown:
+            raise UsageError(
+                f"recipe {self.spec()!r} names planes {sorted(unknown)}, but its layouts produce "
+                f"{[p.name for p in planes]}"
+            )
+        return planes
+
+    def to_config(self) -> dict[str, Any]:
+        return {
+            "layouts": self.layouts.get_config(),
+            "codec": self.codec.get_config(),
+            "plane_codecs": {p: c.get_config() for p, c in self.plane_codecs.items()},
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Recipe":
+        if not isinstance(config, dict) or not isinstance(config.get("layouts"), list):
+            raise UsageError("a recipe config needs a 'layouts' list and a 'codec'")
+        plane_codecs = config.get("plane_codecs", {})
+        if not isinstance(plane_codecs, dict):
+            raise UsageError("a recipe config's 'plane_codecs' must be an object")
+        return cls(
+            LayoutChain([layout_from_config(c) for c in config["layouts"]]),
+            codec_from_config(config.get("codec")),
+            {str(p): codec_from_config(c) for p, c in plane_codecs.items()},
+        )
+
+
+def _parse_codec_stage(stage: str, spec: str) -> tuple[Codec, dict[str, Codec]]:
+    default: Codec | None = None
+    overrides: dict[str, Codec] = {}
+    for part in (p.strip() for p in stage.split(",")):
+        plane, eq, codec_spec = part.rpartition("=") if "=" in part else ("", "", part)
+        codec_id = codec_spec.partition(":")[0]
+        if codec_id not in codec_registry.ids():
+            hint = ""
+            if codec_id in layout_registry.ids():
+                hint = f"; {codec_id!r} is a layout: end the recipe with a codec stage such as '|zstd:1' or '|none'"
+            raise UsageError(
+                f"recipe {spec!r}: last stage {part!r} is not a codec{hint} (codecs: {', '.join(codec_registry.ids())})"
+            )
+        codec = get_codec(codec_spec)
+        if not eq:
+            if default is not None:
+                raise UsageError(f"recipe {spec!r}: two default codecs in {stage!r}; name the plane as PLANE=CODEC")
+            default = codec
+        elif not plane or plane in overrides:
+            raise UsageError(f"recipe {spec!r}: bad or repeated plane name in {part!r}")
+        else:
+            overrides[plane] = codec
+    return (default or get_codec("none")), overrides

@@ -1,0 +1,26 @@
+"""Golden .kvz files written by earlier versions must keep decoding to the same cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtool.container import open_kvz
+from kvtool.recipe import Recipe
+
+sys.path.insert(0, str(Path(__file__).parent / "golden"))
+from make_golden import GOLDEN, HERE, golden_cache  # noqa: E402
+
+
+def test_every_golden_file_is_present():
+    assert sorted(p.name for p in HERE.glob("*.kvz")) == sorted(f"v1-{n.replace(':', '')}.kvz" for n in GOLDEN)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_file_decodes_bit_exactly(name):
+    with open_kvz(HERE / f"v1-{name.replace(':', '')}.kvz") as reader:
+        reader.verify(full=True)
+        assert reader.recipe == Recipe.parse(GOLDEN[name])
+        assert reader.read().equal_bits(golden_cache())
