@@ -26,7 +26,7 @@ def samples() -> list[Path]:
 class RedisServer:
     """A throwaway redis-server on a free loopback port, with no persistence."""
 
-    def __init__(self, workdir: Path, *args: str):
+    def __init__(self, workdir: Path):
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed; the Redis tests need it (Debian: apt-get install redis-server)")
@@ -36,21 +36,20 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.log = workdir / f"redis-{self.port}.log"
         self._command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                         "--appendonly", "no", "--dir", str(workdir), *args]
+                         "--appendonly", "no", "--dir", str(workdir)]
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> "RedisServer":
         import redis
 
-        self._proc = subprocess.Popen(self._command, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        with self.log.open("ab") as log:
+            self._proc = subprocess.Popen(self._command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                redis.Redis(port=self.port, socket_timeout=1).ping()
+                with redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=0.2) as client:
+                    client.ping()
                 return self
-            except redis.AuthenticationError:
-                return self  # up, and asking for a password
             except (OSError, redis.RedisError):
                 if self._proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"redis-server did not start: {self.log.read_text(errors='replace')[-2000:]}")

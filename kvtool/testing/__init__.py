@@ -15,5 +15,7 @@ Importing this module needs pytest (the ``test`` extra).
 
 from kvtool.testing.codecs import CodecTests
 from kvtool.testing.data import kv_like_bf16
+from kvtool.testing.layouts import LayoutTests
+from kvtool.testing.stores import StoreTests
 
-__all__ = ["CodecTests", "kv_like_bf16"]
+__all__ = ["CodecTests", "LayoutTests", "StoreTests", "kv_like_bf16"]

@@ -1,0 +1,78 @@
+"""Stores for KV cache entries: memory, file and Redis tiers, stacked by ``TieredStore``.
+
+>>> from kvtool.store import open_store
+>>> with open_store("memory://?capacity=64MiB") as store:
+...     store.put("greeting", b"hello")
+...     store.get("greeting")
+True
+b'hello'
+
+``open_store`` picks the backend by URL scheme through a registry (entry-point
+group ``kvtool.stores``); a comma-separated list of URLs builds a
+``TieredStore``, fastest tier first::
+
+    open_store("memory://?capacity=2GiB,file:///var/cache/kvtool?capacity=100GiB,redis://cache:6379/0?ttl=3600")
+"""
+
+from __future__ import annotations
+
+from kvtool.errors import UsageError
+from kvtool.registry import Registry
+from kvtool.store.base import Store, StoreClosedError
+from kvtool.store.entry import Entry, EntryInfo
+from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
+from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
+from kvtool.store.tiered import StoreEvent, TieredStore
+from kvtool.store.url import redact, scheme_of
+
+registry: Registry[type[Store]] = Registry(
+    "store",
+    "kvtool.stores",
+    {
+        "memory": "kvtool.store.memory:MemoryStore",
+        "file": "kvtool.store.file:FileStore",
+        "redis": ("kvtool.store.redis:RedisStore", "redis"),
+        "rediss": ("kvtool.store.redis:RedisStore", "redis"),
+    },
+)
+
+
+def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> Store:
+    """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
+
+    ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
+    so a comma inside one URL (a password) must be written ``%2C``.
+    """
+    urls = [part.strip() for part in url.split(",")]
+    if not all(urls):
+        raise UsageError(f"empty tier in store URL list {redact(url)!r}")
+    tiers: list[Store] = []
+    try:
+        for one in urls:
+            tiers.append(registry.get(scheme_of(one)).from_url(one))
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    if len(tiers) == 1 and policy is None:
+        return tiers[0]
+    return TieredStore(tiers, policy=policy, promote=promote)
+
+__all__ = [
+    "CostAwarePolicy",
+    "Entry",
+    "EntryInfo",
+    "LRUPolicy",
+    "Policy",
+    "PrefixHit",
+    "PrefixKeyer",
+    "Store",
+    "StoreClosedError",
+    "StoreEvent",
+    "TieredStore",
+    "get_prefix",
+    "open_store",
+    "prefix_keys",
+    "put_prefix",
+    "registry",
+]

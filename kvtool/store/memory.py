@@ -1,0 +1,74 @@
+"""The memory tier: records in this process's memory, least recently used evicted first."""
+
+from __future__ import annotations
+
+import threading
+
+from kvtool.errors import UsageError
+from kvtool.store.base import Store
+from kvtool.store.entry import EntryInfo
+from kvtool.store.lru import LruSizes
+from kvtool.store.url import parse_options, split_query
+from kvtool.units import format_size, parse_size
+
+DEFAULT_CAPACITY = 1024**3
+
+
+class MemoryStore(Store):
+    """``memory://?capacity=2GiB``; the capacity defaults to 1 GiB."""
+
+    scheme = "memory"
+    typical_latency_s = 2e-6
+    typical_bandwidth = 8e9
+
+    def __init__(self, capacity: int | None = DEFAULT_CAPACITY, *, name: str | None = None) -> None:
+        super().__init__(capacity=capacity, name=name)
+        self._lock = threading.Lock()
+        self._records: dict[str, bytes] = {}
+        self._lru = LruSizes(capacity)
+
+    @classmethod
+    def from_url(cls, url: str) -> "MemoryStore":
+        base, _ = split_query(url)
+        if base.strip().lower() != "memory://":
+            raise UsageError(f"a memory store URL has no location: {base!r} (use memory://?capacity=2GiB)")
+        return cls(**parse_options(url, {"capacity": parse_size}))
+
+    def describe(self) -> str:
+        return "memory://" + ("" if self.capacity is None else f"?capacity={format_size(self.capacity).replace(' ', '')}")
+
+    @property
+    def used_bytes(self) -> int:
+        return self._lru.used
+
+    def _read(self, key: str) -> bytes | None:
+        with self._lock:
+            self._lru.touch(key)
+            return self._records.get(key)
+
+    def _write(self, info: EntryInfo, record: bytes) -> bool:
+        with self._lock:
+            victims = self._lru.admit(info.key, len(record))
+            for victim in victims:
+                del self._records[victim]
+            self._records[info.key] = record
+        self._evicted(victims)
+        return True
+
+    def _delete(self, key: str) -> bool:
+        with self._lock:
+            self._records.pop(key, None)
+            return self._lru.remove(key)
+
+    def _contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._records
+
+    def _keys(self) -> list[str]:
+        with self._lock:
+            return self._lru.keys()
+
+    def _close(self) -> None:
+        with self._lock:
+            self._records.clear()
+            self._lru = LruSizes(self.capacity)

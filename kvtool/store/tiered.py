@@ -1,0 +1,509 @@
+"""``TieredStore``: ordinary stores stacked fastest first, with a policy moving entries between them.
+
+New entries land in the highest tier the policy admits them to. A tier that
+needs room demotes its coldest entries (by the policy's order) to the next tier
+that admits them and has room, instead of dropping them; the bottom tier
+evicts. A hit in a lower tier is promoted to the top (``promote=True``).
+Pinned entries are never demoted or evicted. On ``close`` (``save_on_close``),
+entries of tiers that die with the process (memory) move down to a persistent
+tier, so the next process finds them.
+
+Each entry lives in one tier. The exception is a ``shared`` tier (Redis):
+other processes may rely on its entries, so promoting an entry out of it
+leaves its copy there. Entries of non-shared tiers are indexed when the
+``TieredStore`` opens; shared tiers are asked on demand.
+
+Hot/cold scheduling: ``offload(key, to)``, ``prefetch(keys)`` (a background
+thread pool; returns futures), ``pin``/``unpin``, ``evict``, ``touch``,
+``tier_of``. ``subscribe(callback)`` reports every move as a ``StoreEvent``;
+callbacks run in the thread that caused the event, after the store's lock is
+released, so a callback may call the store.
+
+Thread-safe: one lock guards the index and every move between tiers; reads of
+a tier run outside it, so a slow lower tier does not block hits elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from threading import RLock
+from typing import Any, Callable, Sequence
+
+from kvtool.errors import UsageError
+from kvtool.store.base import Store, log
+from kvtool.store.entry import Entry, EntryInfo, check_key
+from kvtool.store.policy import LRUPolicy, Placement, Policy, TierProfile
+
+EVENT_KINDS = ("stored", "demoted", "promoted", "evicted", "failed")
+_READ_ATTEMPTS = 3  # a concurrent move can hide an entry from one read, not from three
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """``kind`` is one of ``EVENT_KINDS``; ``tier`` is where the entry now is (or was, for evicted)."""
+
+    kind: str
+    key: str
+    tier: str | None
+    reason: str = ""
+    from_tier: str | None = None
+
+
+class TieredStore(Store):
+    scheme = "tiered"
+
+    def __init__(
+        self,
+        tiers: Sequence[Store],
+        policy: Policy | None = None,
+        promote: bool = True,
+        *,
+        save_on_close: bool = True,
+        prefetch_workers: int = 4,
+        name: str | None = None,
+    ) -> None:
+        if not tiers:
+            raise UsageError("a tiered store needs at least one tier")
+        super().__init__(capacity=None, name=name)
+        self.tiers = list(tiers)
+        self.tier_names = _unique_names([t.name for t in self.tiers])
+        self.policy = policy or LRUPolicy()
+        self.promote = promote
+        self.save_on_close = save_on_close
+        self.persistent = any(t.persistent for t in self.tiers)
+        self.shared = any(t.shared for t in self.tiers)
+        self.profiles = [TierProfile(t.typical_latency_s, t.typical_bandwidth) for t in self.tiers]
+        self._prefetch_workers = prefetch_workers
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = RLock()
+        self._placed: dict[str, Placement] = {}
+        self._pinned: set[str] = set()
+        self._moving: set[str] = set()  # keys a move is working on: never chosen as victims
+        self._subscribers: list[Callable[[StoreEvent], None]] = []
+        self._pending: list[StoreEvent] = []
+        self._event_counts: Counter[str] = Counter()
+        self._index_tiers()
+
+    def describe(self) -> str:
+        return ",".join(t.describe() for t in self.tiers)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(t.used_bytes or 0 for t in self.tiers)
+
+    # --- the Store interface --------------------------------------------------
+
+    def get_entry(self, key: str) -> Entry | None:
+        check_key(key)
+        self._check_open()
+        start = time.perf_counter()
+        entry = self._fetch(key, to_top=self.promote, reason="hit")
+        if entry is None:
+            self.metrics.miss(time.perf_counter() - start)
+        else:
+            self.metrics.hit(time.perf_counter() - start, entry.size)
+        self._flush_events()
+        return entry
+
+    def stats(self) -> dict[str, Any]:
+        data = super().stats()
+        with self._lock:
+            indexed = Counter(p.tier for p in self._placed.values())
+            data.update(
+                policy=self.policy.describe(),
+                promote=self.promote,
+                pinned=len(self._pinned),
+                events={kind: self._event_counts[kind] for kind in EVENT_KINDS},
+            )
+        data["tiers"] = [
+            {"tier": name, **tier.stats(), "indexed_entries": indexed[i], "profile": profile.to_dict()}
+            for i, (name, tier, profile) in enumerate(zip(self.tier_names, self.tiers, self.profiles))
+        ]
+        return data
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.save_on_close:
+            with self._lock:
+                self._save_volatile()
+            self._flush_events()
+        super().close()
+
+    # --- hot/cold scheduling --------------------------------------------------
+
+    def tier_of(self, key: str) -> str | None:
+        """The name of the tier holding ``key``, or None."""
+        self._check_key_open(key)
+        with self._lock:
+            placement = self._locate(key)
+            return None if placement is None else self.tier_names[placement.tier]
+
+    def offload(self, key: str, to: str | int = -1) -> bool:
+        """Move ``key`` to the tier named or numbered ``to`` (default: the bottom); False if absent or refused."""
+        self._check_key_open(key)
+        target = self._tier_index(to)
+        with self._lock:
+            placement = self._locate(key)
+            if placement is None:
+                return False
+            if key in self._pinned:
+                raise UsageError(f"{key!r} is pinned; unpin it before offloading it")
+            moved = self._move(placement, target, "offloaded by caller", report_no_room=True)
+        self._flush_events()
+        return moved
+
+    def prefetch(self, keys: Sequence[str]) -> list[Future]:
+        """Bring ``keys`` to the top tier in the background; each future gives True if its key is there."""
+        self._check_open()
+        for key in keys:
+            check_key(key)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._prefetch_workers, thread_name_prefix="kvtool-prefetch")
+        return [self._executor.submit(self._prefetch_one, key) for key in keys]
+
+    def pin(self, key: str) -> bool:
+        """Keep ``key`` in its tier (or higher) until ``unpin``; False if it is not stored."""
+        self._check_key_open(key)
+        with self._lock:
+            if self._locate(key) is None:
+                return False
+            self._pinned.add(key)
+            return True
+
+    def unpin(self, key: str) -> bool:
+        """True if ``key`` was pinned."""
+        self._check_key_open(key)
+        with self._lock:
+            pinned = key in self._pinned
+            self._pinned.discard(key)
+            return pinned
+
+    def is_pinned(self, key: str) -> bool:
+        with self._lock:
+            return key in self._pinned
+
+    def evict(self, key: str) -> bool:
+        """Remove ``key`` from every tier; a pinned key must be unpinned first."""
+        self._check_key_open(key)
+        with self._lock:
+            if key in self._pinned:
+                raise UsageError(f"{key!r} is pinned; unpin it before evicting it")
+            removed = self._remove_everywhere(key, "evicted by caller")
+        self._flush_events()
+        return removed
+
+    def touch(self, key: str) -> bool:
+        """Mark ``key`` as just used without reading it; False if it is not stored."""
+        self._check_key_open(key)
+        with self._lock:
+            placement = self._locate(key)
+            if placement is not None:
+                placement.last_access = time.monotonic()
+            return placement is not None
+
+    def subscribe(self, callback: Callable[[StoreEvent], None]) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event; returns a function that unsubscribes it."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    # --- backend hooks, in terms of the tiers ---------------------------------
+
+    def _read(self, key: str) -> bytes | None:
+        with self._lock:
+            placement = self._locate(key)
+            tier = None if placement is None else self.tiers[placement.tier]
+        return None if tier is None else tier.read_record(key)
+
+    def _write(self, info: EntryInfo, record: bytes) -> bool:
+        with self._lock:
+            stored = self._place(info, record)
+        self._flush_events()
+        return stored
+
+    def _delete(self, key: str) -> bool:
+        with self._lock:
+            removed = self._remove_everywhere(key, "deleted")
+        self._flush_events()
+        return removed
+
+    def _contains(self, key: str) -> bool:
+        with self._lock:
+            if key in self._placed:
+                return True
+        return any(self.tiers[i].contains(key) for i in self._shared_tiers())
+
+    def _keys(self) -> list[str]:
+        with self._lock:
+            keys = dict.fromkeys(self._placed)
+        for i in self._shared_tiers():
+            keys.update(dict.fromkeys(self.tiers[i].keys()))
+        return list(keys)
+
+    def _info(self, key: str) -> EntryInfo | None:
+        with self._lock:
+            placement = self._locate(key)
+            tier = None if placement is None else self.tiers[placement.tier]
+        return None if tier is None else tier.info(key)
+
+    def _close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    # --- placement (callers hold self._lock) -----------------------------------
+
+    def _place(self, info: EntryInfo, record: bytes) -> bool:
+        """Put a new record in the highest tier that admits it and has room."""
+        old = self._placed.get(info.key)
+        placement = Placement(info.key, -1, info.size, info.tokens, time.monotonic())
+        self._moving.add(info.key)
+        try:
+            for index, tier in enumerate(self.tiers):
+                if not self.policy.admits(placement, self.profiles[index]):
+                    continue
+                replaced = old.size if old is not None and old.tier == index else 0
+                if not self._make_room(index, info.size - replaced):
+                    continue
+                written = tier.put_entry(info) if isinstance(info, Entry) else tier.write_record(info.key, record)
+                if not written:
+                    continue
+                if old is not None and old.tier != index:
+                    self.tiers[old.tier].delete(info.key)
+                placement.tier = index
+                self._placed[info.key] = placement
+                self._event("stored", info.key, index)
+                return True
+        finally:
+            self._moving.discard(info.key)
+        self._event("failed", info.key, None, "no tier admits it and has room")
+        return False
+
+    def _make_room(self, index: int, need: int) -> bool:
+        """Demote entries out of tier ``index`` until ``need`` more bytes fit; False if they cannot."""
+        tier = self.tiers[index]
+        if tier.capacity is None or need <= 0:
+            return True
+        if need > tier.capacity:
+            return False
+        if tier.capacity - (tier.used_bytes or 0) >= need:
+            return True
+        candidates = [
+            p for p in self._placed.values()
+            if p.tier == index and p.key not in self._pinned and p.key not in self._moving
+        ]
+        for victim in self.policy.coldest_first(candidates, self.profiles[index], time.monotonic()):
+            if self._placed.get(victim.key) is victim and victim.tier == index:
+                self._demote(victim)
+            if tier.capacity - (tier.used_bytes or 0) >= need:
+                return True
+        return False
+
+    def _demote(self, placement: Placement) -> None:
+        """Move an entry to the next lower tier that admits it and has room, or evict it."""
+        source = placement.tier
+        for index in range(source + 1, len(self.tiers)):
+            if not self.policy.admits(placement, self.profiles[index]):
+                continue
+            if self._move(placement, index, f"{self.tier_names[source]} full"):
+                return
+            if self._placed.get(placement.key) is not placement:
+                return  # the entry turned out to be gone
+        reason = "bottom tier full" if source == len(self.tiers) - 1 else "no lower tier admits it or has room"
+        self._remove_everywhere(placement.key, reason)
+
+    def _move(
+        self, placement: Placement, target: int, reason: str, entry: Entry | None = None, report_no_room: bool = False
+    ) -> bool:
+        """Copy an entry to tier ``target`` and drop it from its tier (kept there if that tier is shared)."""
+        source = placement.tier
+        if target == source:
+            return True
+        if entry is None:
+            entry = self.tiers[source].peek(placement.key)
+        if entry is None:
+            self._forget(placement, f"gone from {self.tier_names[source]}")
+            return False
+        self._moving.add(placement.key)
+        try:
+            if not self._make_room(target, entry.size):
+                if report_no_room:
+                    self._event("failed", placement.key, target, f"no room in {self.tier_names[target]}", source)
+                return False
+            if not self.tiers[target].put_entry(entry):
+                self._event("failed", placement.key, target, f"write to {self.tier_names[target]} failed", source)
+                return False
+        finally:
+            self._moving.discard(placement.key)
+        if not self.tiers[source].shared:
+            self.tiers[source].delete(placement.key)
+        placement.tier = target
+        self._event("promoted" if target < source else "demoted", placement.key, target, reason, source)
+        return True
+
+    def _save_volatile(self) -> None:
+        """Move entries of tiers that die with the process down to a persistent tier with room."""
+        persistent = [i for i, tier in enumerate(self.tiers) if tier.persistent]
+        for placement in list(self._placed.values()):
+            if self._placed.get(placement.key) is not placement or self.tiers[placement.tier].persistent:
+                continue
+            for index in persistent:
+                if index > placement.tier and self._move(placement, index, "saved on close"):
+                    break
+
+    def _remove_everywhere(self, key: str, reason: str) -> bool:
+        placement = self._placed.pop(key, None)
+        self._pinned.discard(key)
+        removed = False
+        for index, tier in enumerate(self.tiers):
+            if (placement is not None and placement.tier == index) or tier.shared:
+                removed = tier.delete(key) or removed
+        if placement is not None or removed:
+            self._event("evicted", key, None if placement is None else placement.tier, reason)
+        return removed or placement is not None
+
+    def _forget(self, placement: Placement, reason: str) -> None:
+        """Drop an index entry whose record is no longer in its tier."""
+        if self._placed.get(placement.key) is placement:
+            del self._placed[placement.key]
+            self._pinned.discard(placement.key)
+            log.info("%s: %r %s; treated as a miss", self.name, placement.key, reason)
+            self._event("evicted", placement.key, placement.tier, reason)
+
+    def _locate(self, key: str) -> Placement | None:
+        """The placement of ``key``, asking the shared tiers when the index does not know it."""
+        placement = self._placed.get(key)
+        if placement is not None:
+            return placement
+        for index in self._shared_tiers():
+            info = self.tiers[index].info(key)
+            if info is not None:
+                return self._register(info, index)
+        return None
+
+    def _register(self, info: EntryInfo, index: int) -> Placement:
+        placement = Placement(info.key, index, info.size, info.tokens, time.monotonic())
+        self._placed[info.key] = placement
+        return placement
+
+    # --- reads ----------------------------------------------------------------
+
+    def _fetch(self, key: str, to_top: bool, reason: str) -> Entry | None:
+        """Read ``key`` from its tier (outside the lock), then move it to the top if asked."""
+        for _ in range(_READ_ATTEMPTS):
+            with self._lock:
+                seen = self._placed.get(key)
+                where = [seen.tier] if seen is not None else self._shared_tiers()
+            for index in where:
+                start = time.perf_counter()
+                entry = self.tiers[index].get_entry(key)
+                if entry is None:
+                    continue
+                self.profiles[index].observe(entry.size, time.perf_counter() - start)
+                with self._lock:
+                    current = self._placed.get(key)
+                    if current is None and seen is None:
+                        current = self._register(entry, index)
+                    unchanged = current is not None and (seen is None or current is seen) and current.tier == index
+                    if unchanged:
+                        current.hits += 1
+                        current.last_access = time.monotonic()
+                        if to_top and index > 0 and key not in self._moving:
+                            self._move(current, 0, reason, entry)
+                return entry
+            with self._lock:
+                if seen is None:
+                    return None
+                if self._placed.get(key) is seen and seen.tier == where[0]:
+                    self._forget(seen, f"gone from {self.tier_names[seen.tier]} (expired, evicted, damaged or unreachable)")
+        return None
+
+    def _prefetch_one(self, key: str) -> bool:
+        with self._lock:
+            placement = self._placed.get(key)
+            if placement is not None and placement.tier == 0:
+                return True
+        try:
+            entry = self._fetch(key, to_top=True, reason="prefetched")
+            with self._lock:
+                placement = self._placed.get(key)
+                at_top = entry is not None and placement is not None and placement.tier == 0
+        except Exception:
+            log.exception("%s: prefetch of %r failed", self.name, key)
+            return False
+        finally:
+            self._flush_events()
+        return at_top
+
+    # --- helpers --------------------------------------------------------------
+
+    def _index_tiers(self) -> None:
+        """Index what the non-shared tiers already hold; a key found twice keeps its highest copy."""
+        for index, tier in enumerate(self.tiers):
+            if tier.shared:
+                continue
+            for key in tier.keys():  # coldest first, so recency order carries over
+                info = tier.info(key)
+                if info is None:
+                    continue
+                if key in self._placed:
+                    tier.delete(key)
+                else:
+                    self._register(info, index)
+
+    def _shared_tiers(self) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t.shared]
+
+    def _tier_index(self, tier: str | int) -> int:
+        if isinstance(tier, int) and -len(self.tiers) <= tier < len(self.tiers):
+            return tier % len(self.tiers)
+        if isinstance(tier, str) and tier in self.tier_names:
+            return self.tier_names.index(tier)
+        raise UsageError(f"no tier {tier!r}; tiers: {', '.join(self.tier_names)} (or 0..{len(self.tiers) - 1})")
+
+    def _check_key_open(self, key: str) -> None:
+        check_key(key)
+        self._check_open()
+
+    def _event(self, kind: str, key: str, tier: int | None, reason: str = "", from_tier: int | None = None) -> None:
+        self._event_counts[kind] += 1
+        self._pending.append(StoreEvent(
+            kind, key,
+            None if tier is None else self.tier_names[tier],
+            reason,
+            None if from_tier is None else self.tier_names[from_tier],
+        ))
+
+    def _flush_events(self) -> None:
+        with self._lock:
+            events, self._pending = self._pending, []
+            subscribers = list(self._subscribers)
+        for event in events:
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("%s: event subscriber %r failed", self.name, callback)
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """Tier names, numbered where several tiers share one (``file``, ``file2``)."""
+    counts = Counter(names)
+    seen: Counter[str] = Counter()
+    unique = []
+    for name in names:
+        seen[name] += 1
+        unique.append(name if counts[name] == 1 or seen[name] == 1 else f"{name}{seen[name]}")
+    return unique

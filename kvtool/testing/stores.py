@@ -1,0 +1,245 @@
+"""``StoreTests``: the conformance suite for a store.
+
+Subclasses provide a ``store`` fixture (an empty store, closed by the fixture
+after the test) and, for a backend with a byte capacity, a ``capacity_store``
+fixture holding at most ``CAPACITY`` bytes. The suite checks round trips,
+overwrite, empty and large values, metadata, batch calls, key checks, that a
+damaged stored value is a logged miss and never wrong bytes, capacity and LRU
+eviction, closed-store errors, JSON-safe stats, and a Hypothesis state machine
+comparing the store with a dict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from kvtool.errors import UsageError
+from kvtool.store import Store, StoreClosedError
+
+KEYS = ["a", "b", "model/7:chunk-0", "ключ", "k" * 300]
+
+
+def _payload(size: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+class _DictModel(RuleBasedStateMachine):
+    """Every operation on the store must agree with the same operation on a dict."""
+
+    def __init__(self, store: Store):
+        super().__init__()
+        self.store = store
+        for key in store.keys():
+            store.delete(key)
+        self.model: dict[str, bytes] = {}
+
+    @rule(key=st.sampled_from(KEYS), value=st.binary(max_size=2048))
+    def put(self, key, value):
+        assert self.store.put(key, value)
+        self.model[key] = value
+
+    @rule(key=st.sampled_from(KEYS))
+    def get(self, key):
+        assert self.store.get(key) == self.model.get(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def contains(self, key):
+        assert self.store.contains(key) == (key in self.model)
+
+    @rule(key=st.sampled_from(KEYS))
+    def delete(self, key):
+        assert self.store.delete(key) == (key in self.model)
+        self.model.pop(key, None)
+
+    @invariant()
+    def same_keys(self):
+        assert sorted(self.store.keys()) == sorted(self.model)
+
+
+class StoreTests:
+    """Base class; subclasses define a ``store`` fixture and optionally ``capacity_store``."""
+
+    CAPACITY = 64 * 1024
+
+    @pytest.fixture
+    def store(self) -> Store:  # pragma: no cover - replaced by subclasses
+        raise NotImplementedError("subclasses of StoreTests provide a `store` fixture")
+
+    @pytest.fixture
+    def capacity_store(self) -> Store:
+        pytest.skip("this store has no byte capacity of its own")
+
+    # --- round trips --------------------------------------------------------
+
+    def test_put_get(self, store: Store):
+        assert store.put("k", b"value")
+        assert store.get("k") == b"value"
+        assert store.contains("k")
+
+    def test_missing_key(self, store: Store):
+        assert store.get("absent") is None
+        assert store.get_entry("absent") is None
+        assert store.info("absent") is None
+        assert not store.contains("absent")
+        assert not store.delete("absent")
+
+    def test_overwrite(self, store: Store):
+        store.put("k", b"first")
+        store.put("k", b"second, longer")
+        assert store.get("k") == b"second, longer"
+        assert store.keys().count("k") == 1
+
+    def test_empty_value(self, store: Store):
+        assert store.put("empty", b"")
+        assert store.get("empty") == b""
+        assert store.contains("empty")
+
+    def test_large_value(self, store: Store):
+        value = _payload(3 * 1024 * 1024 + 7)
+        assert store.put("large", value)
+        assert store.get("large") == value
+
+    @pytest.mark.parametrize("kind", ["bytearray", "memoryview", "numpy-u16"])
+    def test_bytes_like_values(self, store: Store, kind):
+        value = _payload(1000)
+        buffer = {"bytearray": bytearray, "memoryview": memoryview,
+                  "numpy-u16": lambda v: np.frombuffer(v, dtype=np.uint16)}[kind](value)
+        assert store.put("k", buffer)
+        assert store.get("k") == value
+
+    def test_non_buffer_values_are_refused(self, store: Store):
+        with pytest.raises(UsageError):
+            store.put("k", "text")
+        with pytest.raises(UsageError):
+            store.put("k", np.zeros((4, 4), dtype=np.uint8)[:, ::2])  # not contiguous
+
+    def test_metadata(self, store: Store):
+        store.put("k", b"v" * 10, {"tokens": 5, "raw_bytes": 100, "note": "x"})
+        entry = store.get_entry("k")
+        assert entry.meta == {"tokens": 5, "raw_bytes": 100, "note": "x"}
+        assert bytes(entry.value) == b"v" * 10
+        info = store.info("k")
+        assert (info.tokens, info.raw_bytes, info.size) == (5, 100, entry.size)
+
+    def test_keys_and_delete(self, store: Store):
+        for key in KEYS:
+            store.put(key, key.encode())
+        assert sorted(store.keys()) == sorted(KEYS)
+        assert store.delete("a")
+        assert not store.contains("a") and store.get("a") is None
+        assert sorted(store.keys()) == sorted(k for k in KEYS if k != "a")
+
+    def test_batch_calls(self, store: Store):
+        assert store.put_many({"x": b"1", "y": b"2"}) == [True, True]
+        assert store.get_many(["x", "nope", "y"]) == [b"1", None, b"2"]
+        assert store.contains_many(["x", "nope"]) == [True, False]
+
+    @pytest.mark.parametrize("key", ["", "line\nbreak", "nul\x00", "k" * 1025, 7, b"bytes"])
+    def test_invalid_keys_are_refused(self, store: Store, key):
+        with pytest.raises(UsageError):
+            store.put(key, b"v")
+        with pytest.raises(UsageError):
+            store.get(key)
+
+    def test_metadata_must_be_json(self, store: Store):
+        with pytest.raises(UsageError):
+            store.put("k", b"v", {"bad": object()})
+        assert not store.contains("k")
+
+    # --- integrity ----------------------------------------------------------
+
+    @pytest.mark.parametrize("damage", ["flip-value", "flip-header", "truncate", "extend", "garbage"])
+    def test_damaged_value_is_a_logged_miss(self, store: Store, damage, caplog):
+        value = _payload(5000, seed=3)
+        store.put("k", value)
+        record = bytearray(store.read_record("k"))
+        if damage == "flip-value":
+            record[-100] ^= 0x10
+        elif damage == "flip-header":
+            record[12] ^= 0x01
+        elif damage == "truncate":
+            record = record[:-1]
+        elif damage == "extend":
+            record += b"\0"
+        else:
+            record = bytearray(b"not a record")
+        assert store.write_record("k", bytes(record))
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("k") is None
+        assert "damaged" in caplog.text
+        assert store.get("k") is None
+
+    def test_record_of_another_key_is_a_miss(self, store: Store, caplog):
+        store.put("a", b"value of a")
+        store.write_record("b", store.read_record("a"))
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("b") is None
+        assert "another key" in caplog.text
+        assert store.get("a") == b"value of a"
+
+    # --- capacity -----------------------------------------------------------
+
+    def test_capacity_is_never_exceeded(self, capacity_store: Store):
+        value = _payload(self.CAPACITY // 5)
+        for i in range(20):
+            assert capacity_store.put(f"k{i}", value)
+            assert capacity_store.used_bytes <= self.CAPACITY
+            assert capacity_store.get(f"k{i}") == value
+        assert 1 <= len(capacity_store.keys()) <= 5
+
+    def test_least_recently_used_leaves_first(self, capacity_store: Store):
+        value = _payload(self.CAPACITY // 4 - 200)
+        for key in "abcd":
+            capacity_store.put(key, value)
+        assert capacity_store.get("a") == value
+        capacity_store.put("e", value)
+        assert not capacity_store.contains("b")
+        assert all(capacity_store.contains(k) for k in "acde")
+
+    def test_value_larger_than_capacity_is_refused(self, capacity_store: Store):
+        capacity_store.put("small", b"s")
+        assert not capacity_store.put("huge", _payload(self.CAPACITY + 1))
+        assert not capacity_store.contains("huge")
+        assert capacity_store.get("small") == b"s"
+
+    # --- lifecycle and reporting --------------------------------------------
+
+    def test_closed_store_raises(self, store: Store):
+        store.put("k", b"v")
+        store.close()
+        assert store.closed
+        for call in (lambda: store.get("k"), lambda: store.put("k", b"v"), lambda: store.contains("k"),
+                     lambda: store.delete("k"), store.keys, store.stats):
+            with pytest.raises(StoreClosedError):
+                call()
+        store.close()  # idempotent
+
+    def test_context_manager_closes(self, store: Store):
+        with store as same:
+            assert same is store
+        assert store.closed
+
+    def test_stats_are_json_safe(self, store: Store):
+        store.put("k", b"v")
+        store.get("k")
+        store.get("absent")
+        stats = json.loads(json.dumps(store.stats()))
+        assert stats["hits"] >= 1 and stats["misses"] >= 1
+        assert stats["entries"] == 1
+        assert stats["get_p50_ms"] is not None and stats["get_p99_ms"] >= stats["get_p50_ms"]
+
+    def test_repr_names_the_store(self, store: Store):
+        assert store.describe() in repr(store)
+
+    def test_behaves_like_a_dict(self, store: Store):
+        run_state_machine_as_test(
+            lambda: _DictModel(store),
+            settings=settings(max_examples=25, stateful_step_count=15, deadline=None),
+        )

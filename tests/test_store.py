@@ -1,0 +1,630 @@
+"""The memory and file stores, URLs, the tiered store and its policies, prefix keys."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvtool.errors import UsageError
+from kvtool.store import (
+    CostAwarePolicy,
+    LRUPolicy,
+    PrefixKeyer,
+    StoreClosedError,
+    TieredStore,
+    open_store,
+    prefix_keys,
+)
+from kvtool.store.entry import wrap
+from kvtool.store.file import FileStore
+from kvtool.store.memory import MemoryStore
+from kvtool.store.policy import Placement, TierProfile
+from kvtool.testing import StoreTests
+
+KIB = 1024
+
+
+class TestMemoryStore(StoreTests):
+    @pytest.fixture
+    def store(self):
+        with MemoryStore(capacity=None) as store:
+            yield store
+
+    @pytest.fixture
+    def capacity_store(self):
+        with MemoryStore(capacity=self.CAPACITY) as store:
+            yield store
+
+
+class TestFileStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path):
+        with FileStore(tmp_path / "store") as store:
+            yield store
+
+    @pytest.fixture
+    def capacity_store(self, tmp_path):
+        with FileStore(tmp_path / "store", capacity=self.CAPACITY) as store:
+            yield store
+
+
+class TestTieredStore(StoreTests):
+    """A small memory tier over a file tier behaves like one store."""
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        with TieredStore([MemoryStore(capacity=16 * KIB), FileStore(tmp_path / "store")]) as store:
+            yield store
+
+
+# --- the file store ----------------------------------------------------------
+
+
+def _value(i: int, size: int = 1000) -> bytes:
+    return bytes([i % 251]) * size
+
+
+def test_file_store_survives_reopening(tmp_path):
+    with FileStore(tmp_path) as store:
+        store.put("k", b"kept", {"tokens": 3})
+    with FileStore(tmp_path) as store:
+        assert store.get("k") == b"kept"
+        assert store.info("k").tokens == 3
+
+
+def test_file_store_recency_survives_reopening(tmp_path):
+    record = len(wrap("a", _value(0)).record)
+    with FileStore(tmp_path, capacity=3 * record) as store:
+        for key in "abc":
+            store.put(key, _value(0))
+            os.utime(store.path_of(key), (1000 + ord(key),) * 2)  # file times are coarse: make the order explicit
+        assert store.get("a") is not None  # now the most recent
+    with FileStore(tmp_path, capacity=3 * record) as store:
+        store.put("d", _value(0))
+        assert sorted(store.keys()) == ["a", "c", "d"]
+
+
+def test_file_store_enforces_a_smaller_capacity_on_opening(tmp_path):
+    record = len(wrap("k0", _value(0)).record)
+    with FileStore(tmp_path) as store:
+        for i in range(6):
+            store.put(f"k{i}", _value(i))
+    with FileStore(tmp_path, capacity=2 * record) as store:
+        assert store.used_bytes <= 2 * record
+        assert len(store.keys()) == 2
+    assert len(list((tmp_path / "entries").rglob("*.kve"))) == 2
+
+
+def test_file_store_cleans_up_on_opening(tmp_path, caplog):
+    with FileStore(tmp_path) as store:
+        store.put("good", b"good value")
+        store.put("truncated", b"x" * 500)
+        store.put("misplaced", b"m")
+        good = store.path_of("good")
+        truncated = store.path_of("truncated")
+        misplaced = store.path_of("misplaced")
+    truncated.write_bytes(truncated.read_bytes()[:-10])
+    misplaced.write_bytes(good.read_bytes())  # a record under a name its key does not map to
+    partial = good.parent / f".{good.name}.abc123.part"
+    partial.write_bytes(b"half a record")
+    foreign = [tmp_path / "README", good.parent / "notes.txt", tmp_path / "entries" / "zz"]
+    for path in foreign:
+        path.write_text("not ours")
+    with caplog.at_level(logging.INFO, logger="kvtool.store"):
+        with FileStore(tmp_path) as store:
+            assert store.keys() == ["good"]
+            assert store.get("good") == b"good value"
+    assert not partial.exists() and not truncated.exists() and not misplaced.exists()
+    assert all(path.exists() for path in foreign)
+    assert "incomplete write" in caplog.text and "length mismatch" in caplog.text
+
+
+@pytest.mark.parametrize("key", ["../../../escape", "/etc/passwd", "..", "a/../../b", "C:\\x"])
+def test_file_store_keys_stay_inside_the_directory(tmp_path, key):
+    root = tmp_path / "store"
+    with FileStore(root) as store:
+        store.put(key, b"v")
+        path = store.path_of(key)
+        assert path.resolve().is_relative_to((root / "entries").resolve())
+        assert store.get(key) == b"v"
+    assert {p for p in tmp_path.rglob("*") if p.is_file()} <= {p for p in root.rglob("*")}
+
+
+def test_file_store_is_private_and_single_process(tmp_path):
+    with FileStore(tmp_path / "store"):
+        assert stat.S_IMODE((tmp_path / "store").stat().st_mode) & 0o077 == 0
+        with pytest.raises(UsageError, match="in use by another process"):
+            FileStore(tmp_path / "store")
+    FileStore(tmp_path / "store").close()  # free again once closed
+
+
+def test_file_store_write_failure_is_false_not_an_exception(tmp_path, caplog):
+    with FileStore(tmp_path / "store") as store:
+        store.path_of("k").parent.write_bytes(b"a file where the shard directory belongs")
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert not store.put("k", b"v")
+        assert "cannot write" in caplog.text
+        assert not store.contains("k") and store.used_bytes == 0
+
+
+# --- URLs ------------------------------------------------------------------
+
+
+def test_open_store_by_scheme(tmp_path, monkeypatch):
+    with open_store("memory://?capacity=2MiB") as store:
+        assert isinstance(store, MemoryStore) and store.capacity == 2 * 1024**2
+    with open_store(f"file://{tmp_path}/abs?capacity=1KiB") as store:
+        assert isinstance(store, FileStore) and store.root == tmp_path / "abs" and store.capacity == 1024
+    monkeypatch.chdir(tmp_path)
+    with open_store("file://./rel") as store:
+        assert store.root == tmp_path / "rel"
+    with open_store("file://plain") as store:
+        assert store.root == tmp_path / "plain"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with open_store("file://~/kv") as store:
+        assert store.root == tmp_path / "home" / "kv"
+
+
+def test_open_store_builds_tiers_from_a_list(tmp_path):
+    with open_store(f"memory://?capacity=1MiB, file://{tmp_path}") as store:
+        assert isinstance(store, TieredStore)
+        assert store.tier_names == ["memory", "file"]
+    with open_store(f"file://{tmp_path}/a,file://{tmp_path}/b") as store:
+        assert store.tier_names == ["file", "file2"]
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("nonsense", "not a store URL"),
+        ("ftp://host/x", "unknown store 'ftp'"),
+        ("memory://?capacity=lots", "bad value for 'capacity'"),
+        ("memory://?colour=blue", "unknown option 'colour'"),
+        ("memory://somewhere", "has no location"),
+        ("file://", "needs a path"),
+        ("memory://,", "empty tier"),
+        ("redis://:hunter2@127.0.0.1:1/0?colour=blue", "unknown option"),
+    ],
+)
+def test_bad_urls_are_one_line_usage_errors(url, message):
+    with pytest.raises(UsageError, match=message) as info:
+        open_store(url)
+    assert "\n" not in str(info.value)
+    assert "hunter2" not in str(info.value)
+
+
+def test_importing_stores_loads_no_redis():
+    code = "import sys, kvtool.store, kvtool.cli; assert 'redis' not in sys.modules, 'redis imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the tiered store -----------------------------------------------------------
+
+
+def _record_size(key: str = "k0", size: int = 1000, meta: dict | None = None) -> int:
+    return len(wrap(key, b"\0" * size, meta or {}).record)
+
+
+def _tiered(tmp_path, top: int = 2, middle: int = 2, **kwargs) -> TieredStore:
+    """Memory over file, each holding ``top``/``middle`` entries of 1000 bytes (keys and metadata short)."""
+    size = _record_size(key="k" * 8) + 40
+    tiers = [MemoryStore(capacity=top * size), FileStore(tmp_path / "file", capacity=middle * size)]
+    return TieredStore(tiers, **kwargs)
+
+
+@pytest.fixture
+def events():
+    return []
+
+
+def test_full_top_demotes_and_bottom_evicts(tmp_path, events):
+    with _tiered(tmp_path) as store:
+        store.subscribe(events.append)
+        for i in range(5):
+            assert store.put(f"k{i}", _value(i))
+        assert [store.tier_of(f"k{i}") for i in range(5)] == [None, "file", "file", "memory", "memory"]
+        assert [(e.kind, e.key, e.tier, e.reason) for e in events if e.kind != "stored"] == [
+            ("demoted", "k0", "file", "memory full"),
+            ("demoted", "k1", "file", "memory full"),
+            ("evicted", "k0", "file", "bottom tier full"),
+            ("demoted", "k2", "file", "memory full"),
+        ]
+        assert [store.tiers[1].get(f"k{i}") for i in (1, 2)] == [_value(1), _value(2)]
+        assert [store.tiers[0].get(f"k{i}") for i in (3, 4)] == [_value(3), _value(4)]
+
+
+def test_demoted_entry_keeps_its_bytes_and_metadata(tmp_path):
+    with _tiered(tmp_path, top=1) as store:
+        store.put("a", _value(1), {"tokens": 7})
+        store.put("b", _value(2))
+        assert store.tier_of("a") == "file"
+        assert store.tiers[1].info("a").tokens == 7
+        assert store.get("a") == _value(1)
+
+
+def test_hit_below_is_promoted(tmp_path, events):
+    with _tiered(tmp_path, top=1) as store:
+        store.subscribe(events.append)
+        store.put("a", _value(1))
+        store.put("b", _value(2))
+        assert store.tier_of("a") == "file"
+        assert store.get("a") == _value(1)
+        assert store.tier_of("a") == "memory" and store.tier_of("b") == "file"
+        assert [(e.kind, e.tier, e.from_tier, e.reason) for e in events if e.key == "a"][-1] == (
+            "promoted", "memory", "file", "hit")
+
+
+def test_promotion_can_be_turned_off(tmp_path):
+    with _tiered(tmp_path, top=1, promote=False) as store:
+        store.put("a", _value(1))
+        store.put("b", _value(2))
+        assert store.get("a") == _value(1)
+        assert store.tier_of("a") == "file"
+
+
+def test_pinned_entries_are_never_demoted_or_evicted(tmp_path):
+    with _tiered(tmp_path, top=1, middle=1) as store:
+        store.put("pinned", _value(0))
+        assert store.pin("pinned") and store.is_pinned("pinned")
+        for i in range(4):
+            assert store.put(f"k{i}", _value(i))  # lands below the pinned entry
+        assert store.tier_of("pinned") == "memory"
+        assert store.tier_of("k3") == "file"
+        with pytest.raises(UsageError, match="pinned"):
+            store.evict("pinned")
+        with pytest.raises(UsageError, match="pinned"):
+            store.offload("pinned", to="file")
+        assert store.unpin("pinned") and not store.unpin("pinned") and not store.is_pinned("pinned")
+        store.put("k9", _value(9))
+        assert store.tier_of("pinned") == "file"
+
+
+def test_pin_unknown_key_is_false(tmp_path):
+    with _tiered(tmp_path) as store:
+        assert not store.pin("nothing")
+        assert not store.touch("nothing")
+        assert store.tier_of("nothing") is None
+
+
+def test_touch_changes_who_leaves_first(tmp_path):
+    with _tiered(tmp_path) as store:
+        store.put("a", _value(1))
+        store.put("b", _value(2))
+        assert store.touch("a")
+        store.put("c", _value(3))
+        assert (store.tier_of("a"), store.tier_of("b")) == ("memory", "file")
+
+
+def test_offload_and_prefetch(tmp_path, events):
+    with _tiered(tmp_path) as store:
+        store.subscribe(events.append)
+        store.put("a", _value(1))
+        assert store.offload("a", to="file")
+        assert store.tier_of("a") == "file"
+        assert store.offload("a", to=0) and store.tier_of("a") == "memory"
+        assert store.offload("a") and store.tier_of("a") == "file"  # default: the bottom tier
+        futures = store.prefetch(["a", "missing"])
+        assert [f.result(timeout=10) for f in futures] == [True, False]
+        assert store.tier_of("a") == "memory"
+        assert [(e.kind, e.tier) for e in events if e.key == "a"] == [
+            ("stored", "memory"), ("demoted", "file"), ("promoted", "memory"), ("demoted", "file"), ("promoted", "memory"),
+        ]
+        assert not store.offload("missing", to="file")
+        with pytest.raises(UsageError, match="no tier"):
+            store.offload("a", to="tape")
+        with pytest.raises(UsageError, match="no tier"):
+            store.offload("a", to=5)
+
+
+def test_offload_to_a_tier_without_room_fails_with_an_event(tmp_path, events):
+    with _tiered(tmp_path, top=1, middle=1) as store:
+        store.subscribe(events.append)
+        store.put("below", _value(1))
+        store.put("top", _value(2))
+        store.pin("top")
+        assert not store.offload("below", to="memory")
+        assert store.tier_of("below") == "file"
+        assert events[-1].kind == "failed" and "no room" in events[-1].reason
+
+
+def test_evict_and_delete_remove_from_every_tier(tmp_path, events):
+    with _tiered(tmp_path, top=1) as store:
+        store.subscribe(events.append)
+        store.put("a", _value(1))
+        store.put("b", _value(2))
+        assert store.evict("a") and store.delete("b")
+        assert not store.evict("a")
+        assert store.keys() == [] and store.tiers[0].keys() == [] and store.tiers[1].keys() == []
+        assert [(e.kind, e.reason) for e in events if e.kind == "evicted"] == [
+            ("evicted", "evicted by caller"), ("evicted", "deleted")]
+
+
+def test_entry_too_big_for_every_tier_is_refused(tmp_path, events):
+    with _tiered(tmp_path) as store:
+        store.subscribe(events.append)
+        assert not store.put("huge", b"\0" * 10_000)
+        assert not store.contains("huge")
+        assert events[-1].kind == "failed"
+
+
+def test_entry_too_big_for_the_top_lands_below(tmp_path):
+    size = _record_size()
+    tiers = [MemoryStore(capacity=size), FileStore(tmp_path, capacity=10 * size)]
+    with TieredStore(tiers) as store:
+        assert store.put("big", b"\0" * 3000)
+        assert store.tier_of("big") == "file"
+
+
+def test_damaged_entry_below_is_a_miss_with_an_event(tmp_path, events, caplog):
+    with _tiered(tmp_path, top=1) as store:
+        store.subscribe(events.append)
+        store.put("a", _value(1))
+        store.put("b", _value(2))
+        path = store.tiers[1].path_of("a")
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("a") is None
+        assert "checksum mismatch" in caplog.text
+        assert ("evicted", "a") in [(e.kind, e.key) for e in events]
+        assert not store.contains("a")
+
+
+def test_subscribers_can_fail_and_unsubscribe(tmp_path, events):
+    with _tiered(tmp_path) as store:
+        def broken(event):
+            raise RuntimeError("subscriber bug")
+
+        store.subscribe(broken)
+        unsubscribe = store.subscribe(events.append)
+        assert store.put("a", b"1")
+        unsubscribe()
+        assert store.put("b", b"2")
+        assert [e.key for e in events] == ["a"]
+
+
+def test_tiered_store_reopens_from_its_persistent_tier(tmp_path):
+    with _tiered(tmp_path, top=1) as store:
+        store.put("a", _value(1))
+        store.put("b", _value(2))  # a goes to file, b stays in memory
+    with _tiered(tmp_path, top=1) as store:
+        assert store.tier_of("a") == "file"
+        assert store.tier_of("b") == "file"  # saved on close
+        assert store.get("b") == _value(2)
+
+
+def test_volatile_entries_are_dropped_on_close_if_asked(tmp_path):
+    with _tiered(tmp_path, top=1, save_on_close=False) as store:
+        store.put("a", _value(1))
+    with _tiered(tmp_path, top=1) as store:
+        assert store.keys() == []
+
+
+def test_tiered_stats_report_each_tier(tmp_path):
+    with _tiered(tmp_path, top=1) as store:
+        store.put("a", _value(1), {"raw_bytes": 5000})
+        store.put("b", _value(2))
+        store.get("b")
+        store.get("a")  # from the file tier
+        store.get("absent")
+        stats = json.loads(json.dumps(store.stats()))
+    memory, file = stats["tiers"]
+    assert (stats["hits"], stats["misses"]) == (2, 1)
+    assert (memory["tier"], memory["hits"], file["tier"], file["hits"]) == ("memory", 1, "file", 1)
+    # memory got a, b and a again (promoted); file got a and b (demoted)
+    record_a, record_b = _record_size("a", meta={"raw_bytes": 5000}), _record_size("b")
+    assert (memory["bytes_raw"], memory["bytes_stored"]) == (5000 + 1000 + 5000, 2 * record_a + record_b)
+    assert (file["bytes_raw"], file["bytes_stored"]) == (5000 + 1000, record_a + record_b)
+    assert stats["events"]["demoted"] >= 1 and stats["events"]["promoted"] == 1
+    assert file["get_p99_ms"] >= file["get_p50_ms"] > 0
+    assert stats["policy"] == "lru"
+
+
+def test_tiered_store_is_thread_safe(tmp_path):
+    errors = []
+
+    def worker(seed: int, store: TieredStore) -> None:
+        try:
+            for i in range(60):
+                key = f"k{(seed * 7 + i) % 12}"
+                op = (seed + i) % 4
+                if op == 0:
+                    store.put(key, key.encode() * 100)
+                elif op == 1:
+                    value = store.get(key)
+                    assert value is None or value == key.encode() * 100
+                elif op == 2:
+                    store.prefetch([key])[0].result(timeout=30)
+                else:
+                    store.offload(key, to="file")
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    with TieredStore([MemoryStore(capacity=2000), FileStore(tmp_path, capacity=5000)]) as store:
+        threads = [threading.Thread(target=worker, args=(n, store)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert store.tiers[0].used_bytes <= 2000 and store.tiers[1].used_bytes <= 5000
+        for key in store.keys():
+            assert store.get(key) in (None, key.encode() * 100)
+
+
+def test_closed_tiered_store_refuses_scheduling(tmp_path):
+    store = _tiered(tmp_path)
+    store.close()
+    calls = (lambda: store.pin("a"), lambda: store.offload("a"), lambda: store.prefetch(["a"]), lambda: store.tier_of("a"))
+    for call in calls:
+        with pytest.raises(StoreClosedError):
+            call()
+
+
+# --- policies --------------------------------------------------------------
+
+
+def _placement(key: str, tokens: int | None, size: int = 1000, last_access: float = 0.0) -> Placement:
+    return Placement(key, 0, size, tokens, last_access)
+
+
+def test_lru_policy_orders_by_last_use():
+    placements = [_placement("new", 1, last_access=5), _placement("old", 1, last_access=1)]
+    assert [p.key for p in LRUPolicy().coldest_first(placements, TierProfile(0, 1e9), now=10)] == ["old", "new"]
+
+
+def test_cost_aware_policy_admits_only_where_restoring_is_cheaper():
+    policy = CostAwarePolicy(prefill_seconds_per_token=1e-3)
+    fast, slow = TierProfile(1e-4, 1e9), TierProfile(0.5, 1e6)
+    long_prefix, short_prefix = _placement("long", 10_000), _placement("short", 10)
+    assert policy.admits(long_prefix, fast) and policy.admits(long_prefix, slow)
+    assert policy.admits(short_prefix, fast) and not policy.admits(short_prefix, slow)
+    assert policy.admits(_placement("unknown", None), slow)
+
+
+def test_cost_aware_policy_gives_up_the_least_saving_per_byte_first():
+    policy = CostAwarePolicy(prefill_seconds_per_token=1e-3, half_life_s=10)
+    profile = TierProfile(1e-4, 1e9)
+    placements = [
+        _placement("valuable", 10_000, last_access=9),
+        _placement("cheap", 50, last_access=9),
+        _placement("big", 10_000, size=10**8, last_access=9),
+        _placement("stale", 10_000, last_access=-1000),
+        _placement("unknown", None, last_access=9),
+    ]
+    order = [p.key for p in policy.coldest_first(placements, profile, now=10)]
+    assert order[0] == "unknown" and order[-1] == "valuable"
+    assert order.index("stale") < order.index("valuable") and order.index("cheap") < order.index("valuable")
+
+
+def test_cost_aware_policy_rejects_invalid_settings():
+    with pytest.raises(UsageError):
+        CostAwarePolicy(prefill_seconds_per_token=0)
+    with pytest.raises(UsageError):
+        CostAwarePolicy(prefill_seconds_per_token=1e-3, half_life_s=float("nan"))
+
+
+class _SlowTier(MemoryStore):
+    """A memory store that claims to restore slowly, standing in for a remote tier."""
+
+    typical_latency_s = 0.5
+    typical_bandwidth = 1e6
+
+
+def test_cost_aware_tiered_store_keeps_entries_only_where_worth_it(tmp_path, events):
+    size = _record_size(key="k" * 8, meta={"tokens": 10_000})
+    tiers = [MemoryStore(capacity=2 * size, name="memory"), _SlowTier(capacity=None, name="slow")]
+    with TieredStore(tiers, policy=CostAwarePolicy(prefill_seconds_per_token=1e-3)) as store:
+        store.subscribe(events.append)
+        store.put("long", _value(1), {"tokens": 10_000})  # saves 10 s per reuse
+        store.put("short", _value(2), {"tokens": 10})  # saves 10 ms, slow tier costs 0.5 s
+        store.put("new", _value(3), {"tokens": 10_000})  # the top is full: someone leaves
+        assert store.tier_of("short") is None  # left first, and not worth keeping in the slow tier
+        assert ("evicted", "short") in [(e.kind, e.key) for e in events]
+        store.put("newer", _value(4), {"tokens": 10_000})
+        assert store.tier_of("long") == "slow"  # worth keeping even there
+        assert {store.tier_of("new"), store.tier_of("newer")} == {"memory"}
+
+
+# --- prefix keys -----------------------------------------------------------
+
+
+KEYER = PrefixKeyer("HuggingFaceTB/SmolLM2-135M", "channel-major|zstd:3", salt="tenant-a", chunk_tokens=4)
+
+
+def test_prefix_keys_are_chained():
+    tokens = list(range(100, 110))
+    keys = KEYER.keys(tokens)
+    assert len(keys) == 3  # 4 + 4 + 2
+    assert KEYER.keys(tokens[:8]) == keys[:2]
+    assert KEYER.keys(tokens[:9])[:2] == keys[:2] and KEYER.keys(tokens[:9])[2] != keys[2]
+    changed = tokens.copy()
+    changed[1] = 7
+    assert all(a != b for a, b in zip(KEYER.keys(changed), keys))  # a change early changes every later key
+    assert prefix_keys(tokens, 4, KEYER.model_id, KEYER.recipe, "tenant-a") == keys
+    assert len(set(keys)) == 3 and all(len(k) == 64 for k in keys)
+
+
+@pytest.mark.parametrize("field", ["model_id", "recipe", "salt"])
+def test_prefix_keys_depend_on_model_recipe_and_tenant(field):
+    tokens = list(range(12))
+    other = PrefixKeyer(**{**KEYER.__dict__, field: getattr(KEYER, field) + "x"})
+    assert not set(other.keys(tokens)) & set(KEYER.keys(tokens))
+
+
+@pytest.mark.parametrize("tokens", [[-1], [2**32], [[1, 2]], [1.5]])
+def test_prefix_keys_refuse_bad_tokens(tokens):
+    with pytest.raises(UsageError):
+        KEYER.keys(tokens)
+
+
+def test_prefix_keyer_refuses_bad_chunks():
+    with pytest.raises(UsageError):
+        PrefixKeyer("m", "r", chunk_tokens=0)
+
+
+def test_longest_cached_prefix_is_found():
+    tokens = list(range(10))
+    with MemoryStore() as store:
+        chunks = [b"c0", b"c1", b"c2"]
+        assert store.put_prefix(KEYER, tokens, chunks) == 3
+        assert store.get_entry(KEYER.keys(tokens)[2]).meta == {"tokens": 2, "prefix_tokens": 10}
+        hit = store.get_prefix(KEYER, tokens)
+        assert (hit.values, hit.tokens) == (chunks, 10)
+        longer = store.get_prefix(KEYER, tokens + [99, 98, 97])
+        assert (longer.values, longer.tokens) == (chunks[:2], 8)
+        diverging = store.get_prefix(KEYER, tokens[:5] + [0] * 5)
+        assert (diverging.values, diverging.tokens) == (chunks[:1], 4)
+        store.delete(KEYER.keys(tokens)[1])
+        assert store.get_prefix(KEYER, tokens).tokens == 4  # a hole ends the prefix
+        assert store.get_prefix(KEYER, []).tokens == 0
+
+
+def test_tenants_never_hit_each_other():
+    tokens = list(range(16))
+    other_tenant = PrefixKeyer(KEYER.model_id, KEYER.recipe, salt="tenant-b", chunk_tokens=4)
+    with MemoryStore() as store:
+        store.put_prefix(KEYER, tokens, [b"a0", b"a1", b"a2", b"a3"])
+        assert store.get_prefix(other_tenant, tokens).tokens == 0
+        store.put_prefix(other_tenant, tokens, [b"b0"])
+        assert store.get_prefix(other_tenant, tokens).values == [b"b0"]
+        assert store.get_prefix(KEYER, tokens).values == [b"a0", b"a1", b"a2", b"a3"]
+
+
+def test_put_prefix_stops_at_the_first_refused_chunk():
+    tokens = list(range(12))
+    with MemoryStore(capacity=_record_size(meta={"tokens": 4, "prefix_tokens": 4}) * 2) as store:
+        chunks = [b"\0" * 1000, b"\0" * 10**6, b"\0" * 1000]
+        assert store.put_prefix(KEYER, tokens, chunks) == 1
+        with pytest.raises(UsageError):
+            store.put_prefix(KEYER, tokens[:4], chunks)
+
+
+def test_agent_session_example_runs(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent_session.py"
+    result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "memory -> file  offloaded by caller" in result.stdout
+    assert "file -> memory  prefetched" in result.stdout
+    assert "restored 256 of 296 tokens" in result.stdout
+    assert "identical to the stored ones: True" in result.stdout
+
+
+def test_tier_profile_follows_measurements():
+    profile = TierProfile(latency_s=1e-3, bandwidth=1e9)
+    for _ in range(50):
+        profile.observe(1024, 0.010)  # small reads: latency
+        profile.observe(100_000_000, 0.010 + 1.0)  # large reads: 100 MB/s after the latency
+    assert profile.latency_s == pytest.approx(0.010, rel=0.01)
+    assert profile.bandwidth == pytest.approx(1e8, rel=0.01)
+    assert profile.restore_seconds(50_000_000) == pytest.approx(0.51, rel=0.02)
+    assert json.loads(json.dumps(profile.to_dict()))["samples"] == 100

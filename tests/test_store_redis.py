@@ -1,0 +1,126 @@
+"""The redis tier against a real redis-server: conformance, failures, TTL, passwords."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+import redis
+
+from kvtool.store import TieredStore, open_store
+from kvtool.store.memory import MemoryStore
+from kvtool.store.redis import PASSWORD_ENV, RedisStore
+from kvtool.testing import StoreTests
+
+
+def _unique_prefix() -> str:
+    return f"kvtool-test-{uuid.uuid4().hex[:12]}:"
+
+
+def _raw_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=5)
+
+
+class TestRedisStore(StoreTests):
+    @pytest.fixture
+    def store(self, redis_url):
+        prefix = _unique_prefix()
+        store = RedisStore.from_url(f"{redis_url}?prefix={prefix}&timeout=5")
+        yield store
+        store.close()
+        client = _raw_client(redis_url)
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
+
+
+def test_server_down_is_a_logged_miss_and_puts_do_not_raise(redis_server, caplog):
+    store = RedisStore(redis_server.url, timeout=0.5, connect_timeout=0.5, backoff=0.2)
+    assert store.put("k", b"before")
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+        assert store.get("k") is None
+    assert "get 'k' failed" in caplog.text and "ConnectionError" in caplog.text
+    assert store.put("k2", b"during") is False
+    assert store.contains("k") is False
+    assert store.keys() == []
+    assert store.stats()["errors"] >= 1
+    redis_server.start()
+    time.sleep(0.3)  # past the backoff
+    assert store.put("k3", b"after")
+    assert store.get("k3") == b"after"
+    store.close()
+
+
+def test_value_damaged_inside_redis_is_a_miss(redis_url, caplog):
+    prefix = _unique_prefix()
+    with RedisStore(redis_url, prefix=prefix) as store:
+        store.put("flipped", b"x" * 1000)
+        store.put("cut", b"y" * 1000)
+        client = _raw_client(redis_url)
+        client.setrange(f"{prefix}flipped", 500, b"\x00")
+        client.set(f"{prefix}cut", client.get(f"{prefix}cut")[:-1])
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("flipped") is None
+            assert store.get("cut") is None
+        assert "checksum mismatch" in caplog.text and "length mismatch" in caplog.text
+        assert client.exists(f"{prefix}flipped", f"{prefix}cut") == 0  # dropped
+
+
+def test_ttl_is_set_on_every_entry(redis_url):
+    prefix = _unique_prefix()
+    with open_store(f"{redis_url}?ttl=60&prefix={prefix}") as store:
+        store.put("k", b"v")
+        assert 0 < _raw_client(redis_url).pttl(f"{prefix}k") <= 60_000
+
+
+def test_key_evicted_by_redis_is_a_miss_in_a_tiered_store(redis_url):
+    prefix = _unique_prefix()
+    tiers = [MemoryStore(capacity=1500), RedisStore(redis_url, prefix=prefix)]
+    events = []
+    with TieredStore(tiers) as store:
+        store.subscribe(events.append)
+        store.put("a", b"a" * 1000)
+        store.put("b", b"b" * 1000)  # a moves down to redis
+        assert store.tier_of("a") == "redis"
+        _raw_client(redis_url).delete(f"{prefix}a")  # as Redis would under maxmemory or a TTL
+        assert store.get("a") is None
+        assert ("evicted", "a") in [(e.kind, e.key) for e in events]
+        assert store.tier_of("a") is None
+
+
+def test_promotion_from_redis_keeps_the_shared_copy(redis_url):
+    prefix = _unique_prefix()
+    with RedisStore(redis_url, prefix=prefix) as other_process:
+        other_process.put("shared", b"from elsewhere", {"tokens": 4})
+    with TieredStore([MemoryStore(), RedisStore(redis_url, prefix=prefix)]) as store:
+        assert store.contains("shared")
+        assert store.get("shared") == b"from elsewhere"
+        assert store.tier_of("shared") == "memory"
+        assert store.tiers[1].contains("shared")
+
+
+def test_password_from_the_environment_and_never_shown(redis_server, monkeypatch, caplog):
+    _raw_client(redis_server.url).config_set("requirepass", "s3cret-pw")
+    port = redis_server.port
+    monkeypatch.setenv(PASSWORD_ENV, "s3cret-pw")
+    with open_store(f"redis://127.0.0.1:{port}/0") as store:
+        assert store.put("k", b"v") and store.get("k") == b"v"
+    monkeypatch.delenv(PASSWORD_ENV)
+    with open_store(f"redis://:s3cret-pw@127.0.0.1:{port}/0") as store:
+        assert store.get("k") == b"v"
+        assert "s3cret-pw" not in repr(store) and "***" in repr(store)
+        assert "s3cret-pw" not in str(store.stats())
+    with caplog.at_level(logging.DEBUG, logger="kvtool.store"):
+        with open_store(f"redis://:wrong-pw@127.0.0.1:{port}/0") as store:
+            assert store.get("k") is None
+            assert not store.put("k", b"other")
+    assert "failed" in caplog.text and "wrong-pw" not in caplog.text
+
+
+def test_prefixes_keep_stores_apart(redis_url):
+    with RedisStore(redis_url, prefix=_unique_prefix()) as one, RedisStore(redis_url, prefix=_unique_prefix()) as two:
+        one.put("k", b"one")
+        assert two.get("k") is None and two.keys() == []
+        assert one.keys() == ["k"]
