@@ -28,11 +28,12 @@ from kvtool.store.file import FileStore
 from kvtool.store.memory import MemoryStore
 from kvtool.store.policy import Placement, TierProfile
 from kvtool.testing import StoreTests
+from kvtool.testing.stores import BoundedStoreTests
 
 KIB = 1024
 
 
-class TestMemoryStore(StoreTests):
+class TestMemoryStore(BoundedStoreTests):
     @pytest.fixture
     def store(self):
         with MemoryStore(capacity=None) as store:
@@ -44,7 +45,7 @@ class TestMemoryStore(StoreTests):
             yield store
 
 
-class TestFileStore(StoreTests):
+class TestFileStore(BoundedStoreTests):
     @pytest.fixture
     def store(self, tmp_path):
         with FileStore(tmp_path / "store") as store:

@@ -1,8 +1,9 @@
 """``StoreTests``: the conformance suite for a store.
 
 Subclasses provide a ``store`` fixture (an empty store, closed by the fixture
-after the test) and, for a backend with a byte capacity, a ``capacity_store``
-fixture holding at most ``CAPACITY`` bytes. The suite checks round trips,
+after the test); a backend with a byte capacity of its own subclasses
+``BoundedStoreTests`` and also provides a ``capacity_store`` holding at most
+``CAPACITY`` bytes. The suite checks round trips,
 overwrite, empty and large values, metadata, batch calls, key checks, that a
 damaged stored value is a logged miss and never wrong bytes, capacity and LRU
 eviction, closed-store errors, JSON-safe stats, and a Hypothesis state machine
@@ -64,17 +65,12 @@ class _DictModel(RuleBasedStateMachine):
 
 
 class StoreTests:
-    """Base class; subclasses define a ``store`` fixture and optionally ``capacity_store``."""
-
-    CAPACITY = 64 * 1024
+    """Base class; subclasses define a ``store`` fixture."""
 
     @pytest.fixture
     def store(self) -> Store:  # pragma: no cover - replaced by subclasses
         raise NotImplementedError("subclasses of StoreTests provide a `store` fixture")
 
-    @pytest.fixture
-    def capacity_store(self) -> Store:
-        pytest.skip("this store has no byte capacity of its own")
 
     # --- round trips --------------------------------------------------------
 
@@ -184,31 +180,6 @@ class StoreTests:
         assert "another key" in caplog.text
         assert store.get("a") == b"value of a"
 
-    # --- capacity -----------------------------------------------------------
-
-    def test_capacity_is_never_exceeded(self, capacity_store: Store):
-        value = _payload(self.CAPACITY // 5)
-        for i in range(20):
-            assert capacity_store.put(f"k{i}", value)
-            assert capacity_store.used_bytes <= self.CAPACITY
-            assert capacity_store.get(f"k{i}") == value
-        assert 1 <= len(capacity_store.keys()) <= 5
-
-    def test_least_recently_used_leaves_first(self, capacity_store: Store):
-        value = _payload(self.CAPACITY // 4 - 200)
-        for key in "abcd":
-            capacity_store.put(key, value)
-        assert capacity_store.get("a") == value
-        capacity_store.put("e", value)
-        assert not capacity_store.contains("b")
-        assert all(capacity_store.contains(k) for k in "acde")
-
-    def test_value_larger_than_capacity_is_refused(self, capacity_store: Store):
-        capacity_store.put("small", b"s")
-        assert not capacity_store.put("huge", _payload(self.CAPACITY + 1))
-        assert not capacity_store.contains("huge")
-        assert capacity_store.get("small") == b"s"
-
     # --- lifecycle and reporting --------------------------------------------
 
     def test_closed_store_raises(self, store: Store):
@@ -243,3 +214,39 @@ class StoreTests:
             lambda: _DictModel(store),
             settings=settings(max_examples=25, stateful_step_count=15, deadline=None),
         )
+
+
+class BoundedStoreTests(StoreTests):
+    """``StoreTests`` plus capacity and LRU eviction, for a backend that bounds its own bytes.
+
+    Subclasses also define a ``capacity_store`` fixture holding at most ``CAPACITY`` bytes.
+    """
+
+    CAPACITY = 64 * 1024
+
+    @pytest.fixture
+    def capacity_store(self) -> Store:  # pragma: no cover - replaced by subclasses
+        raise NotImplementedError("subclasses of BoundedStoreTests provide a `capacity_store` fixture")
+
+    def test_capacity_is_never_exceeded(self, capacity_store: Store):
+        value = _payload(self.CAPACITY // 5)
+        for i in range(20):
+            assert capacity_store.put(f"k{i}", value)
+            assert capacity_store.used_bytes <= self.CAPACITY
+            assert capacity_store.get(f"k{i}") == value
+        assert 1 <= len(capacity_store.keys()) <= 5
+
+    def test_least_recently_used_leaves_first(self, capacity_store: Store):
+        value = _payload(self.CAPACITY // 4 - 200)
+        for key in "abcd":
+            capacity_store.put(key, value)
+        assert capacity_store.get("a") == value
+        capacity_store.put("e", value)
+        assert not capacity_store.contains("b")
+        assert all(capacity_store.contains(k) for k in "acde")
+
+    def test_value_larger_than_capacity_is_refused(self, capacity_store: Store):
+        capacity_store.put("small", b"s")
+        assert not capacity_store.put("huge", _payload(self.CAPACITY + 1))
+        assert not capacity_store.contains("huge")
+        assert capacity_store.get("small") == b"s"
