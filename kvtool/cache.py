@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -207,7 +208,7 @@ class KVCache:
         tensors = {}
         for layer, kind, array in self.tensors():
             tensors[f"layer.{layer}.{'key' if kind == 'k' else 'value'}"] = np.ascontiguousarray(array)
-        data = safetensors.numpy.save(tensors, metadata=self.header_metadata())
+        data = _canonical_header(safetensors.numpy.save(tensors, metadata=self.header_metadata()))
         with atomic_write(path) as f:
             f.write(data)
 
@@ -266,6 +267,19 @@ class KVCache:
             )
         start = (tokens or slice(None)).indices(1 << 62)[0] if tokens is not None else 0
         return cls(keys, values, facts, provenance, layer_ids=wanted, token_start=token_start + start)
+
+
+def _canonical_header(data: bytes) -> bytes:
+    """The same safetensors file with its JSON header keys sorted, so equal caches give equal bytes.
+
+    safetensors writes the metadata map in hash order, which changes from process
+    to process. Tensor offsets count from the end of the header, so rewriting
+    the header (padded with spaces to 8 bytes, as the format allows) moves nothing.
+    """
+    (length,) = struct.unpack_from("<Q", data)
+    header = json.dumps(json.loads(data[8 : 8 + length]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data[8 + length :]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
