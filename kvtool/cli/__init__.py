@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -21,6 +22,9 @@ class _Group(TyperGroup):
             _fail(str(exc), exc.exit_code)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
             _fail(f"{exc.strerror}: {exc.filename}", 2)
+        except BrokenPipeError:  # the reader went away (`kvtool ... | head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141)
         except OSError as exc:
             _fail(str(exc), 1)
 
@@ -55,9 +59,9 @@ def _root(
 
 
 def _register_commands() -> None:
-    from kvtool.cli import codecs, files
+    from kvtool.cli import codecs, dump, files, inspect, reorder, store
 
-    for module in (codecs, files):
+    for module in (codecs, dump, files, inspect, reorder, store):
         module.register(app)
 
 
