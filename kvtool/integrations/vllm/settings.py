@@ -1,0 +1,47 @@
+"""The connector's options, read from vLLM's ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvtool.errors import UsageError
+from kvtool.recipe import DEFAULT_RECIPE, Recipe
+
+DEFAULT_STORE = "memory://?capacity=4GiB"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``store``: a kvtool store URL list; ``recipe``: how entries are encoded;
+    ``chunk_tokens``: about how many tokens one store entry holds (rounded to
+    whole vLLM blocks); ``model_id``: the name that keys the cache (default: the
+    model vLLM was given; set it when several hosts load the same model from
+    different paths); ``overlap``: restore layer by layer while the model runs,
+    or everything before the forward pass (default: overlap when the KV cache
+    lives on an accelerator; on vLLM's CPU backend the decoding thread competes
+    with the model's own threads and measured slower)."""
+
+    store: str = DEFAULT_STORE
+    recipe: str = DEFAULT_RECIPE
+    chunk_tokens: int = 256
+    model_id: str | None = None
+    overlap: bool | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise UsageError(f"unknown kvtool connector options {unknown}; known: {sorted(known)}")
+        settings = cls(**extra)
+        if not isinstance(settings.chunk_tokens, int) or settings.chunk_tokens <= 0:
+            raise UsageError(f"chunk_tokens must be a positive integer, not {settings.chunk_tokens!r}")
+        if settings.overlap is not None and not isinstance(settings.overlap, bool):
+            raise UsageError(f"overlap must be true or false, not {settings.overlap!r}")
+        Recipe.parse(settings.recipe)  # fail at startup, not on the first save
+        return settings
+
+    def blocks_per_entry(self, block_size: int) -> int:
+        return max(1, self.chunk_tokens // block_size)

@@ -1,0 +1,37 @@
+"""One open store per process and URL, shared by the connector instances in it.
+
+With vLLM's single-process executor the scheduler-side and worker-side
+connectors live in one process; they must see the same entries (a memory tier
+is per process) and a file tier can be opened by only one of them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvtool.store import Store, open_store
+
+_lock = threading.Lock()
+_open: dict[str, tuple[Store, int]] = {}
+
+
+def acquire(url: str) -> Store:
+    with _lock:
+        store, users = _open.get(url, (None, 0))
+        if store is None:
+            store = open_store(url)
+        _open[url] = (store, users + 1)
+        return store
+
+
+def release(url: str) -> None:
+    """Close the store when its last user releases it (a tiered store then saves its memory tier)."""
+    with _lock:
+        store, users = _open.get(url, (None, 0))
+        if store is None:
+            return
+        if users > 1:
+            _open[url] = (store, users - 1)
+            return
+        del _open[url]
+    store.close()

@@ -1,0 +1,271 @@
+"""Worker-side moves between a kvtool store and vLLM's paged KV tensors.
+
+``Restore`` fetches a step's entries and decodes them layer by layer on a
+background thread; the model's forward pass waits only for the layer it is
+about to run (``copy_layer``), so decoding layer ``i + 1`` overlaps computing
+layer ``i``. The copy into the paged tensor happens on the caller's thread,
+ordered with the model's own work on any device.
+
+``Capture`` copies a step's finished prompt blocks out of the paged tensors
+right after each layer is written; ``encode_and_store`` then compresses and
+stores them off the forward path. The copies are taken before the step ends,
+so vLLM may reuse the blocks at once.
+
+A restore that fails for any reason (entry missing or damaged, a store that
+is down, an entry that does not fit the model) marks the blocks of that entry
+and of every later entry of the request as failed; the connector reports them
+to vLLM, which recomputes them. Wrong KV is never left for the model to use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvtool.cache import KVCache, ModelFacts
+from kvtool.container import KvzReader, encode_cache
+from kvtool.errors import KvtoolError
+from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, scatter_blocks
+from kvtool.integrations.vllm.plan import LoadJob, SaveJob
+from kvtool.store import Store, TieredStore
+
+log = logging.getLogger("kvtool.vllm")
+
+
+@dataclass
+class PagedLayers:
+    """The registered layers, in model order, as K/V block views."""
+
+    names: list[str]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    block_size: int
+    dtype: torch.dtype
+
+    def index(self, name: str) -> int:
+        return self._positions[name]
+
+    def __post_init__(self) -> None:
+        self._positions = {name: i for i, name in enumerate(self.names)}
+
+    @property
+    def heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[3]
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    job: LoadJob
+    reader: KvzReader | None = None
+    tier: str = ""
+
+
+class Restore:
+    """One engine step's restores: start with ``start()``, then ``copy_layer(i)`` for each layer."""
+
+    def __init__(
+        self,
+        store: Store,
+        key_of: Callable[[str], str],
+        layers: PagedLayers,
+        jobs: dict[str, list[LoadJob]],
+    ) -> None:
+        self._store = store
+        self._key_of = key_of
+        self._layers = layers
+        self._pending = [_Pending(rid, job) for rid, js in jobs.items() for job in js]
+        n = len(layers.names)
+        self._decoded: list[list[tuple[list[int], torch.Tensor, torch.Tensor]] | None] = [None] * n
+        self._ready = [threading.Event() for _ in range(n)]
+        self._copied = [False] * n
+        self._failed_requests: dict[str, int] = {}  # request -> index of its first failed job
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.started = 0.0
+        self.blocked_s = 0.0
+        self.decode_s = 0.0
+
+    # -- driving ------------------------------------------------------------------------
+    def start(self, background: bool) -> None:
+        self.started = time.perf_counter()
+        if background:
+            self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def copy_layer(self, index: int) -> None:
+        """Wait until layer ``index`` is decoded, then write it into the paged cache."""
+        if self._copied[index]:
+            return
+        waited = time.perf_counter()
+        self._ready[index].wait()
+        self.blocked_s += time.perf_counter() - waited
+        for block_ids, k, v in self._decoded[index] or ():
+            scatter_blocks(self._layers.keys[index], block_ids, k)
+            scatter_blocks(self._layers.values[index], block_ids, v)
+        self._decoded[index] = None
+        self._copied[index] = True
+
+    def finish(self) -> set[int]:
+        """Copy any layer the forward pass did not ask for; the block ids that failed to restore."""
+        for index in range(len(self._copied)):
+            self.copy_layer(index)
+        if self._thread is not None:
+            self._thread.join()
+        self._log()
+        return self.failed_block_ids()
+
+    def failed_requests(self) -> set[str]:
+        with self._lock:
+            return set(self._failed_requests)
+
+    def failed_block_ids(self) -> set[int]:
+        with self._lock:
+            failed = dict(self._failed_requests)
+        blocks: set[int] = set()
+        by_request: dict[str, list[LoadJob]] = {}
+        for p in self._pending:
+            by_request.setdefault(p.request_id, []).append(p.job)
+        for rid, first in failed.items():
+            for job in by_request[rid][first:]:
+                blocks.update(job.block_ids)
+        return blocks
+
+    # -- background work -----------------------------------------------------------------
+    def _run(self) -> None:
+        begin = time.perf_counter()
+        try:
+            for p in self._pending:
+                self._open(p)
+            for index in range(len(self._ready)):
+                self._decoded[index] = self._decode_layer(index)
+                self._ready[index].set()
+        except BaseException:
+            log.exception("kvtool restore failed; the affected blocks will be recomputed")
+            for p in self._pending:
+                self._fail(p, "restore thread failed")
+        finally:
+            for event in self._ready:
+                event.set()
+            self.decode_s = time.perf_counter() - begin
+
+    def _open(self, p: _Pending) -> None:
+        if self._is_failed(p):
+            return
+        key = self._key_of(p.job.entry_id)
+        try:
+            p.tier = (self._store.tier_of(key) or "") if isinstance(self._store, TieredStore) else self._store.name
+            entry = self._store.get_entry(key)
+            if entry is None:
+                self._fail(p, "entry missing or damaged")
+                return
+            reader = KvzReader.from_bytes(entry.value)
+        except KvtoolError as exc:
+            self._fail(p, str(exc))
+            return
+        expected = (self._layers.heads, p.job.num_blocks * self._layers.block_size, self._layers.head_dim)
+        fits = reader.layer_ids == list(range(len(self._layers.names))) and all(
+            shape == expected for _, _, shape in reader.tensors
+        )
+        if not fits:
+            reader.close()
+            self._fail(p, "entry does not fit this model's KV cache")
+            return
+        p.reader = reader
+
+    def _decode_layer(self, index: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        out = []
+        bs = self._layers.block_size
+        for p in self._pending:
+            if p.reader is None or self._is_failed(p):
+                continue
+            try:
+                first = p.job.first_block * bs
+                cache = p.reader.read(layers=[index], tokens=slice(first, first + len(p.job.block_ids) * bs), threads=1)
+                k = from_numpy(cache.keys[0], self._layers.dtype)
+                v = from_numpy(cache.values[0], self._layers.dtype)
+            except KvtoolError as exc:
+                self._fail(p, f"layer {index}: {exc}")
+                continue
+            out.append((p.job.block_ids, k, v))
+            if index == len(self._ready) - 1:
+                p.reader.close()
+        return out
+
+    def _fail(self, p: _Pending, reason: str) -> None:
+        position = [q for q in self._pending if q.request_id == p.request_id].index(p)
+        with self._lock:
+            known = self._failed_requests.get(p.request_id)
+            if known is None or position < known:
+                self._failed_requests[p.request_id] = position
+        log.warning("request %s: cannot restore entry %s (%s); vLLM will recompute it", p.request_id, p.job.entry_id[:16], reason)
+
+    def _is_failed(self, p: _Pending) -> bool:
+        with self._lock:
+            first = self._failed_requests.get(p.request_id)
+        return first is not None and [q for q in self._pending if q.request_id == p.request_id].index(p) >= first
+
+    def _log(self) -> None:
+        elapsed = time.perf_counter() - self.started
+        by_request: dict[str, list[_Pending]] = {}
+        for p in self._pending:
+            by_request.setdefault(p.request_id, []).append(p)
+        failed = self._failed_requests
+        for rid, items in by_request.items():
+            ok = items[: failed.get(rid, len(items))]
+            tokens = sum(len(p.job.block_ids) for p in ok) * self._layers.block_size
+            tiers = ",".join(sorted({p.tier for p in ok if p.tier})) or "-"
+            log.info(
+                "request %s: restored %d tokens from %s in %.1f ms (decode %.1f ms, forward waited %.1f ms)%s",
+                rid, tokens, tiers, elapsed * 1e3, self.decode_s * 1e3, self.blocked_s * 1e3,
+                f"; {len(items) - len(ok)} entries failed, recomputing" if len(ok) < len(items) else "",
+            )
+
+
+@dataclass
+class Capture:
+    """One engine step's prompt blocks to save, copied out layer by layer."""
+
+    jobs: dict[str, list[SaveJob]]
+    num_layers: int
+    arrays: dict[str, list[list[np.ndarray | None]]] = field(default_factory=dict)  # entry -> [keys, values]
+
+    def take_layer(self, index: int, layers: PagedLayers) -> None:
+        for job in (j for js in self.jobs.values() for j in js):
+            k, v = self.arrays.setdefault(job.entry_id, [[None] * self.num_layers, [None] * self.num_layers])
+            k[index] = gather_blocks(layers.keys[index], job.block_ids)
+            v[index] = gather_blocks(layers.values[index], job.block_ids)
+
+    def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
+        """Entries with every layer captured, except those of ``skip_requests``."""
+        done = []
+        for rid, jobs in self.jobs.items():
+            if rid in skip_requests:
+                continue
+            for job in jobs:
+                k, v = self.arrays.get(job.entry_id, [[None], [None]])
+                if all(a is not None for a in k + v):
+                    done.append((job.entry_id, k, v))
+        return done
+
+
+def encode_and_store(
+    store: Store, key: str, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], recipe: str, facts: ModelFacts
+) -> bool:
+    """Compress one entry (all layers) as a .kvz with ``recipe`` and store it; False if the store refused it."""
+    cache = KVCache(list(keys), list(values), facts, {"source": "vllm"})
+    tokens = cache.num_tokens
+    blob = encode_cache(cache, recipe, chunk_tokens=max(1, tokens), threads=1)
+    return store.put(key, blob, {"tokens": tokens, "raw_bytes": cache.nbytes})

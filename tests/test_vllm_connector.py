@@ -1,0 +1,167 @@
+"""The vLLM connector's pure-Python parts, with fake block hashes and fake paged tensors (no vLLM needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvtool.cache import ModelFacts
+from kvtool.errors import UsageError
+from kvtool.integrations.vllm.plan import EntryNamer, LoadJob, SaveJob, entries_to_save, find_stored_prefix, load_jobs
+from kvtool.integrations.vllm.settings import ConnectorSettings
+from kvtool.store import open_store
+
+torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
+
+from kvtool.integrations.vllm.paged import gather_blocks, kv_views, scatter_blocks  # noqa: E402
+from kvtool.integrations.vllm.transfer import Capture, PagedLayers, Restore, encode_and_store  # noqa: E402
+
+NAMER = EntryNamer("smollm2", "byteplane|zstd:1", "torch.bfloat16", block_size=4)
+HASHES = [bytes([i]) * 32 for i in range(10)]
+
+
+def stored_keys(namer, spans):
+    return {key for start, n in spans for key in namer.keys(namer.entry_id(HASHES[start + n - 1], n))}
+
+
+def lookup(present, namer=NAMER, usable=10, per_entry=2, hashes=HASHES):
+    return find_stored_prefix(hashes, usable, per_entry, namer, lambda keys: [k in present for k in keys])
+
+
+def test_importing_the_plugin_imports_neither_vllm_nor_torch():
+    code = "import sys, kvtool, kvtool.integrations.vllm; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["False", "False"]
+
+
+def test_lookup_finds_the_longest_run_of_entries_and_a_short_last_entry():
+    present = stored_keys(NAMER, [(0, 2), (2, 2), (4, 1)])
+    spans = lookup(present)
+    assert [(s.start, s.num_blocks) for s in spans] == [(0, 2), (2, 2), (4, 1)]
+    assert [(s.start, s.num_blocks) for s in lookup(stored_keys(NAMER, [(2, 2)]))] == []  # no first entry, no hit
+
+
+def test_lookup_stays_within_the_usable_blocks():
+    present = stored_keys(NAMER, [(0, 2), (2, 2), (4, 2)])
+    assert spans_end(lookup(present, usable=5)) == 4
+
+
+def spans_end(spans):
+    return spans[-1].end if spans else 0
+
+
+def test_other_salt_model_or_recipe_never_hits():
+    present = stored_keys(NAMER, [(0, 2), (2, 2)])
+    salted = [bytes([i + 100]) * 32 for i in range(10)]  # vLLM folds cache_salt into the block hashes
+    assert lookup(present, hashes=salted) == []
+    assert lookup(present, namer=EntryNamer("other-model", NAMER.recipe, NAMER.kv_dtype, 4)) == []
+    assert lookup(present, namer=EntryNamer(NAMER.model_id, "zstd:3", NAMER.kv_dtype, 4)) == []
+
+
+def test_every_tensor_parallel_rank_must_hold_an_entry():
+    namer = EntryNamer("m", "zstd:1", "bf16", 4, tp_size=2)
+    entry = namer.entry_id(HASHES[1], 2)
+    assert lookup({namer.key(entry, 0)}, namer=namer) == []
+    assert spans_end(lookup({namer.key(entry, 0), namer.key(entry, 1)}, namer=namer)) == 2
+
+
+def test_saves_wait_for_whole_entries_and_store_a_short_last_one_at_the_end_of_the_prompt():
+    assert [(s.start, s.num_blocks) for s in entries_to_save(HASHES, 5, 3, 0, 2, NAMER)] == [(0, 2)]
+    assert [(s.start, s.num_blocks) for s in entries_to_save(HASHES, 5, 5, 2, 2, NAMER)] == [(2, 2), (4, 1)]
+    assert entries_to_save(HASHES, 5, 9, 5, 2, NAMER) == []  # generated tokens are not stored
+
+
+def test_load_jobs_skip_what_vllm_has_and_stop_at_the_limit():
+    spans = lookup(stored_keys(NAMER, [(0, 2), (2, 2), (4, 2)]))
+    jobs = load_jobs(spans, local_blocks=1, block_ids=list(range(100, 110)), limit_blocks=5)
+    assert [(j.first_block, j.block_ids) for j in jobs] == [(1, [101]), (0, [102, 103]), (0, [104])]
+
+
+def test_settings_reject_unknown_options_and_bad_recipes():
+    assert ConnectorSettings.from_extra_config({"chunk_tokens": 512}).blocks_per_entry(128) == 4
+    with pytest.raises(UsageError, match="unknown"):
+        ConnectorSettings.from_extra_config({"stor": "memory://"})
+    with pytest.raises(UsageError):
+        ConnectorSettings.from_extra_config({"recipe": "no-such-codec"})
+
+
+def cpu_paged(blocks=6, heads=3, block=4, dim=8):
+    """A paged cache in vLLM 0.32's CPU layout, [blocks, heads, block, 2 * dim], with distinct values."""
+    return torch.arange(blocks * heads * block * 2 * dim, dtype=torch.float32).reshape(blocks, heads, block, 2 * dim).to(torch.bfloat16)
+
+
+def test_cpu_layout_puts_key_rows_before_value_rows():
+    layer = cpu_paged()
+    k, v = kv_views(layer, "CPU_ATTN", head_dim=8, block_size=4)
+    rows = layer.view(6, 3, 8, 8)
+    assert torch.equal(k[2, 1, 3], rows[2, 1, 3]) and torch.equal(v[2, 1, 3], rows[2, 1, 7])
+
+
+def test_cuda_layout_splits_the_last_axis():
+    layer = cpu_paged()
+    k, v = kv_views(layer, "FLASH_ATTN", head_dim=8, block_size=4)
+    assert torch.equal(k[1, 2, 0], layer[1, 2, 0, :8]) and torch.equal(v[1, 2, 0], layer[1, 2, 0, 8:])
+
+
+def test_unknown_layouts_are_refused():
+    with pytest.raises(UsageError, match="unsupported paged KV layout"):
+        kv_views(torch.zeros(6, 4, 3, 8), "CPU_ATTN", head_dim=8, block_size=4)
+
+
+def test_gather_then_scatter_moves_blocks_bit_exactly():
+    source = cpu_paged()
+    target = torch.zeros_like(source)
+    for s, t in zip(kv_views(source, "CPU_ATTN", 8, 4), kv_views(target, "CPU_ATTN", 8, 4)):
+        array = gather_blocks(s, [4, 1])
+        assert array.shape == (3, 8, 8)
+        scatter_blocks(t, [0, 5], torch.from_numpy(array.view("<i2")).view(torch.bfloat16))
+    assert torch.equal(target[0], source[4]) and torch.equal(target[5], source[1])
+    assert not target[1:5].any()
+
+
+def layers_of(tensors):
+    views = [kv_views(t, "CPU_ATTN", 8, 4) for t in tensors]
+    return PagedLayers([f"layer.{i}" for i in range(len(tensors))], [k for k, _ in views], [v for _, v in views], 4, torch.bfloat16)
+
+
+def save_entry(store, source, block_ids, entry_id="e1"):
+    capture = Capture({"req": [SaveJob(entry_id, block_ids)]}, num_layers=len(source.names))
+    for i in range(len(source.names)):
+        capture.take_layer(i, source)
+    (entry, keys, values), = capture.complete_entries(set())
+    assert encode_and_store(store, f"key/{entry}", keys, values, "byteplane|zstd:1", ModelFacts("m"))
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_restore_writes_every_layer_of_the_saved_blocks(background):
+    source = layers_of([cpu_paged() + i for i in range(3)])
+    target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+    target = layers_of(target_tensors)
+    with open_store("memory://") as store:
+        save_entry(store, source, [2, 3])
+        restore = Restore(store, lambda e: f"key/{e}", target, {"req": [LoadJob("e1", 2, 0, [4, 0])]})
+        restore.start(background)
+        for i in range(3):
+            restore.copy_layer(i)
+        assert restore.finish() == set()
+    for i in range(3):
+        assert torch.equal(target_tensors[i][4], (cpu_paged() + i)[2])
+        assert torch.equal(target_tensors[i][0], (cpu_paged() + i)[3])
+
+
+def test_a_damaged_or_missing_entry_is_reported_and_later_entries_are_not_used():
+    source = layers_of([cpu_paged()])
+    target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16)]
+    with open_store("memory://") as store:
+        save_entry(store, source, [0], "e1")
+        save_entry(store, source, [1], "e2")
+        record = bytearray(store.read_record("key/e1"))
+        record[-50] ^= 0xFF
+        store.write_record("key/e1", bytes(record))
+        jobs = [LoadJob("e1", 1, 0, [3]), LoadJob("e2", 1, 0, [4]), LoadJob("e3", 1, 0, [5])]
+        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"req": jobs})
+        restore.start(background=True)
+        assert restore.finish() == {3, 4, 5}
+        assert restore.failed_requests() == {"req"}
+    assert not target_tensors[0].any()
