@@ -331,11 +331,24 @@ def _match_names(names: list[str], pattern: str, path: Path) -> dict[int, tuple[
 def _read_tensor(f, name: str, tokens: slice | None, path: Path) -> np.ndarray:
     sl = f.get_slice(name)
     shape = sl.get_shape()
-    dtype_of(sl.get_dtype())
+    dtype = dtype_of(sl.get_dtype())
     if len(shape) == 4 and shape[0] == 1:
-        array = sl[0:1, :, tokens or slice(None), :][0] if tokens is not None else sl[:][0]
-    elif len(shape) == 3:
-        array = sl[:, tokens, :] if tokens is not None else sl[:]
-    else:
+        shape = shape[1:]
+    elif len(shape) != 3:
         raise UsageError(f"{path}: tensor {name} has shape {shape}; expected {list(AXES)} or [1, {', '.join(AXES)}]")
-    return array
+    if dtype.name.startswith("fp8"):
+        # safetensors' numpy reader has no fp8 type; map the bytes and view them through ml_dtypes.
+        return _mapped_tensor(path, name, dtype)[:, tokens or slice(None)].copy()
+    if len(sl.get_shape()) == 4:
+        return sl[0:1, :, tokens or slice(None), :][0]
+    return sl[:, tokens, :] if tokens is not None else sl[:]
+
+
+def _mapped_tensor(path: Path, name: str, dtype: DType) -> np.ndarray:
+    """A read-only memory map of one tensor, located through the (already validated) safetensors header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        entry = json.loads(f.read(length))[name]
+    start, end = entry["data_offsets"]
+    array = np.memmap(path, dtype=dtype.numpy, mode="r", offset=8 + length + start, shape=(end - start,))
+    return array.reshape(entry["shape"][-3:])

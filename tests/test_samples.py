@@ -40,3 +40,19 @@ def test_sample_text_is_committed_unchanged(name):
     prov = KVCache.load(SAMPLES / f"{name}.safetensors").provenance
     text = SAMPLES / "texts" / prov["text_name"]
     assert hashlib.sha256(text.read_bytes()).hexdigest() == prov["text_sha256"]
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "fp16", "fp32"])
+def test_other_dtypes_save_and_load(samples, tmp_path, dtype):
+    """Caches of every dtype round-trip through safetensors, whole and sliced."""
+    from kvtool.cache import DTYPES
+
+    source = KVCache.load(samples[0], layers=[0, 1], tokens=slice(0, 40))
+    cast = KVCache(
+        [k.astype(DTYPES[dtype].numpy) for k in source.keys], [v.astype(DTYPES[dtype].numpy) for v in source.values],
+        source.model, source.provenance, layer_ids=source.layer_ids,
+    )
+    path = tmp_path / f"{dtype}.safetensors"
+    cast.save(path)
+    assert KVCache.load(path).equal_bits(cast)
+    assert KVCache.load(path, layers=[1], tokens=slice(5, 17)).equal_bits(cast.select([1], slice(5, 17)))
