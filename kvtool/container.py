@@ -114,11 +114,11 @@ def write_cache(
     )
     records = []
     for block, chunks in _map_bounded(lambda b: _encode_block(b, recipe), blocks, threads):
-        for plane, (flags, raw_len, raw_hash, stored) in enumerate(chunks):
+        for plane, (flags, raw_len, raw_hash, stored_hash, stored) in enumerate(chunks):
             out.write(stored)
             records.append(
                 (block.tensor, plane, flags, block.token_start, block.array.shape[1], offset,
-                 len(stored), raw_len, xxhash.xxh3_64_intdigest(stored), raw_hash)
+                 len(stored), raw_len, stored_hash, raw_hash)
             )
             offset += len(stored)
         if on_progress:
@@ -130,17 +130,19 @@ def write_cache(
     return offset + len(index) + TRAILER.size
 
 
-def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, bytes]]:
+def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, int, bytes | memoryview]]:
+    """``(flags, raw length, raw hash, stored hash, stored bytes)`` for each plane of a block."""
     planes = recipe.layouts.forward([block.array])
     specs = recipe.plan(PlaneSpec.of(block.array))
     out = []
     for spec, plane in zip(specs, planes):
         raw = _plane_bytes(plane)
+        raw_hash = xxhash.xxh3_64_intdigest(raw)
         stored = recipe.codec_for(spec.name).encode(raw)
-        flags = 0
         if len(stored) >= len(raw):
-            stored, flags = bytes(raw), FLAG_STORED_RAW
-        out.append((flags, len(raw), xxhash.xxh3_64_intdigest(raw), stored))
+            out.append((FLAG_STORED_RAW, len(raw), raw_hash, raw_hash, raw))
+        else:
+            out.append((0, len(raw), raw_hash, xxhash.xxh3_64_intdigest(stored), stored))
     return out
 
 
@@ -399,8 +401,12 @@ class KvzReader:
         if len(idx) and not np.array_equal(got.astype(np.int64), np.array(expected, dtype=np.int64)):
             self._fail(KvzCorruptError, "index entries do not match the tensor manifest")
         raw = (idx["flags"] & FLAG_STORED_RAW) != 0
-        if np.any(idx["flags"] & ~np.uint16(FLAG_STORED_RAW)) or np.any(idx["stored_len"][raw] != idx["raw_len"][raw]):
-            self._fail(KvzCorruptError, "bad chunk flags")
+        if (
+            np.any(idx["flags"] & ~np.uint16(FLAG_STORED_RAW))
+            or np.any(idx["stored_len"][raw] != idx["raw_len"][raw])
+            or np.any(idx["stored_xxh3"][raw] != idx["raw_xxh3"][raw])
+        ):
+            self._fail(KvzCorruptError, "bad chunk flags: a chunk stored raw must have equal stored and raw length and hash")
         self._rows = {}
         for row, (t, _, start, _, _) in enumerate(expected):
             self._rows.setdefault((t, start), []).append(row)
@@ -416,11 +422,11 @@ class KvzReader:
             if xxhash.xxh3_64_intdigest(stored) != int(entry["stored_xxh3"]):
                 self._fail(KvzCorruptError, f"checksum mismatch in chunk {row} (layer {self.tensors[tensor][0]} {self.tensors[tensor][1]})")
             if entry["flags"] & FLAG_STORED_RAW:
-                raw = bytes(stored)
+                raw = stored  # its checksum, just verified, is the raw checksum too
             else:
                 raw = self.recipe.codec_for(spec.name).decode(stored, max_size=int(entry["raw_len"]))
-            if len(raw) != entry["raw_len"] or xxhash.xxh3_64_intdigest(raw) != int(entry["raw_xxh3"]):
-                self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
+                if len(raw) != entry["raw_len"] or xxhash.xxh3_64_intdigest(raw) != int(entry["raw_xxh3"]):
+                    self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
             planes.append(np.frombuffer(raw, dtype=spec.dtype).reshape(spec.shape))
         block_spec = PlaneSpec("data", (self._heads, int(self.index[rows[0]]["token_count"]), self._dim), self.dtype.numpy)
         return self.recipe.layouts.inverse(planes, [block_spec])[0]

@@ -20,9 +20,11 @@ class LayoutChain:
 
     def __init__(self, layouts: Iterable[Layout] = ()):
         self.layouts: tuple[Layout, ...] = tuple(layouts)
+        self._spec = "|".join(layout.spec() for layout in self.layouts)
+        self._plans: dict[tuple[PlaneSpec, ...], list[list[PlaneSpec]]] = {}
 
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
-        return self._stage_specs(inputs)[-1]
+        return list(self._stage_specs(inputs)[-1])
 
     def forward(self, planes: list[np.ndarray]) -> list[np.ndarray]:
         for layout in self.layouts:
@@ -38,10 +40,16 @@ class LayoutChain:
         return [np.ascontiguousarray(p) for p in planes]
 
     def _stage_specs(self, inputs: list[PlaneSpec]) -> list[list[PlaneSpec]]:
-        """The specs before each stage and after the last."""
-        specs = [list(inputs)]
-        for layout in self.layouts:
-            specs.append(layout.plan(specs[-1]))
+        """The specs before each stage and after the last (remembered: a container asks per chunk)."""
+        key = tuple(inputs)
+        specs = self._plans.get(key)
+        if specs is None:
+            specs = [list(inputs)]
+            for layout in self.layouts:
+                specs.append(layout.plan(specs[-1]))
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            self._plans[key] = specs
         return specs
 
     def get_config(self) -> list[dict[str, Any]]:
@@ -49,7 +57,7 @@ class LayoutChain:
 
     def spec(self) -> str:
         """``a|b`` as ``parse_layouts`` reads it; empty for the identity."""
-        return "|".join(layout.spec() for layout in self.layouts)
+        return self._spec
 
     def __iter__(self) -> Iterator[Layout]:
         return iter(self.layouts)
