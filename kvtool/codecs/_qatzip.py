@@ -19,10 +19,13 @@ compresses in software (zlib) and still writes its own gzip format.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gzip
 import os
 import re
+import sys
+import tempfile
 import threading
 import weakref
 from ctypes import POINTER, byref, c_char_p, c_int, c_long, c_ubyte, c_uint, c_ulong, c_void_p
@@ -97,6 +100,13 @@ def _status_name(rc: int) -> str:
     return _STATUS.get(rc, f"status {rc}")
 
 
+#: Without a device, each qzCompress of libqatzip 1.3 re-runs its hardware probe, which
+#: creates a pthread key and never deletes it. A process has 1024 such keys; once they are
+#: gone, any library that creates one fails (Rust's thread locals abort the process). After
+#: this many software-fallback calls a process stops calling QATzip (see QatCodec.encode).
+SOFTWARE_CALL_BUDGET = 512
+
+
 class Library:
     """A loaded libqatzip: where it is, which version, hardware or not, and ``compress``."""
 
@@ -111,11 +121,17 @@ class Library:
         probe = self._sessions().get(self, 1, self._defaults.common_params.hw_buff_sz)
         self.hardware = probe.hw_session_stat == QZ_OK
         self.session_status = _status_name(probe.hw_session_stat)
+        self.software_calls = 0  # see SOFTWARE_CALL_BUDGET
 
     @property
     def implementation(self) -> str:
         where = f"libqatzip {self.version or '(version unknown)'} at {self.path}"
         return f"QAT hardware ({where})" if self.hardware else f"QATzip software fallback ({where})"
+
+    @property
+    def budget_spent(self) -> bool:
+        """True once the software fallback has used the thread keys this process can spare."""
+        return not self.hardware and self.software_calls >= SOFTWARE_CALL_BUDGET
 
     def compress(self, view: memoryview, level: int, hw_buffer_size: int) -> bytes:
         """Gzip ``view`` through QATzip; the GIL is released while QATzip works."""
@@ -131,7 +147,9 @@ class Library:
                 out = bytearray(bound)
                 src_len, dest_len = c_uint(size), c_uint(bound)
                 dest = (ctypes.c_char * bound).from_buffer(out)
-                rc = self._cdll.qzCompress(byref(sess), base + start, byref(src_len), dest, byref(dest_len), 1)
+                with contextlib.nullcontext() if self.hardware else _probe_noise_filtered():
+                    self.software_calls += not self.hardware
+                    rc = self._cdll.qzCompress(byref(sess), base + start, byref(src_len), dest, byref(dest_len), 1)
                 del dest  # releases the export so that ``out`` can shrink
                 if rc != QZ_OK or src_len.value != size:
                     raise KvtoolError(
@@ -194,12 +212,12 @@ class Library:
         c.hw_buff_sz = hw_buffer_size
         params.data_fmt = QZ_DEFLATE_GZIP_EXT  # QATzip's own default, set so a changed process default cannot alter it
         sess = _Session()
-        rc = self._cdll.qzInit(byref(sess), 1)
+        with _probe_noise_filtered():
+            rc = self._cdll.qzInit(byref(sess), 1)
+            if rc >= 0:
+                rc = self._cdll.qzSetupSessionDeflate(byref(sess), byref(params))
         if rc < 0:
-            raise UnavailableError(f"QATzip qzInit failed: {_status_name(rc)}")
-        rc = self._cdll.qzSetupSessionDeflate(byref(sess), byref(params))
-        if rc < 0:
-            raise UnavailableError(f"QATzip session setup failed: {_status_name(rc)}")
+            raise UnavailableError(f"QATzip session setup failed (qzInit or qzSetupSessionDeflate): {_status_name(rc)}")
         return sess
 
 
@@ -307,3 +325,32 @@ def _package_version(lib_path: Path) -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+_PROBE_NOISE = b"Cannot open /dev/vfio\n"
+_stderr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _probe_noise_filtered():
+    """Drop the line libqat prints on stderr each time QATzip looks for a device that is not there.
+
+    Without a QAT device, libqatzip 1.3 probes again on every call and libqat
+    prints "Cannot open /dev/vfio" each time, flooding a terminal. While the call
+    runs, file descriptor 2 points at a temporary file; afterwards everything
+    written there except that line goes to the real stderr. The lock makes the
+    calls take turns, which costs little beside the software fallback's speed.
+    """
+    with _stderr_lock, tempfile.TemporaryFile() as capture:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = capture.read().replace(_PROBE_NOISE, b"")
+            if kept:
+                os.write(2, kept)

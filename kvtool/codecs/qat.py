@@ -11,6 +11,8 @@ front, reports an oversized result as corrupt data, and accepts truncated input.
 
 from __future__ import annotations
 
+import logging
+import zlib
 from typing import Any
 
 from kvtool.codecs import _qatzip
@@ -63,7 +65,31 @@ class QatCodec(Codec):
             lib = _qatzip.load()
         except UnavailableError as exc:
             raise UnavailableError(f"codec 'qat' cannot encode: {exc}") from None
+        if lib.budget_spent:
+            return _software_gzip(as_memoryview(buf), self.level)
         return lib.compress(as_memoryview(buf), self.level, self.hw_buffer_size)
 
     def decode(self, buf: BufferLike, max_size: int) -> bytes:
         return inflate(as_memoryview(buf), max_size, wbits=31, name="gzip", multi_member=True)
+
+
+def _software_gzip(view: memoryview, level: int) -> bytes:
+    """What QATzip's software fallback computes (zlib deflate in gzip), without calling QATzip.
+
+    Used only when no QAT device is present and this process has spent
+    ``_qatzip.SOFTWARE_CALL_BUDGET`` calls: libqatzip 1.3 leaks a thread key per
+    software call. The stream is the same format, so any reader is unaffected.
+    """
+    global _budget_logged
+    if not _budget_logged:
+        _budget_logged = True
+        logging.getLogger("kvtool.codecs").warning(
+            "qat: no QAT device and libqatzip leaks a thread key per software call; after %d calls "
+            "this process writes the same gzip format with zlib, as QATzip's software fallback does",
+            _qatzip.SOFTWARE_CALL_BUDGET,
+        )
+    compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
+    return compressor.compress(view) + compressor.flush()
+
+
+_budget_logged = False
