@@ -24,7 +24,7 @@ from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
 from kvtool.layouts import registry as layout_registry
 from kvtool.layouts.base import PlaneSpec
 
-DEFAULT_RECIPE = "byteplane|zstd:1"
+DEFAULT_RECIPE = "channel-major|byteplane|zstd:huff,lo=none"
 
 
 @dataclass(frozen=True)

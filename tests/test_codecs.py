@@ -7,7 +7,7 @@ import pytest
 from kvtool.codecs import get_codec, registry
 from kvtool.testing import CodecTests
 
-SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "lz4:0", "lz4:9", "zlib:1", "zlib:6", "qat", "isal:1"]
+SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "zstd:huff", "lz4:0", "lz4:9", "zlib:1", "zlib:6", "qat", "isal:1", "rans:1", "rans:3"]
 
 
 def test_every_registered_codec_is_covered():

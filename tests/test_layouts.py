@@ -14,7 +14,7 @@ from kvtool.layouts.xor_delta import XorDelta
 from kvtool.testing import LayoutTests
 from kvtool.testing.layouts import assert_round_trip, in_a_dtype_it_takes, random_bits
 
-LAYOUTS = ["token-major", "channel-major", "byteplane", "bf16-split", "fp16-split", "xor-delta", "xor-delta:-1"]
+LAYOUTS = ["token-major", "channel-major", "byteplane", "bf16-split", "fp16-split", "xor-delta", "xor-delta:-1", "sx-split", "sx-split:-1"]
 CHAINS = [
     "",
     "channel-major|byteplane",
@@ -24,9 +24,10 @@ CHAINS = [
     "bf16-split|xor-delta|channel-major",
     "fp16-split|byteplane",
     "byteplane|channel-major|xor-delta",
+    "channel-major|sx-split",
 ]
 #: The dtypes each layout takes; it refuses the others with UsageError.
-ACCEPTS = {"bf16-split": {"bf16"}, "fp16-split": {"fp16"}}
+ACCEPTS = {"bf16-split": {"bf16"}, "fp16-split": {"fp16"}, "sx-split": {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}}
 
 
 def test_every_registered_layout_is_covered():

@@ -24,6 +24,7 @@ registry: Registry[type[Codec]] = Registry(
         "zlib": "kvtool.codecs.zlib:ZlibCodec",
         "qat": "kvtool.codecs.qat:QatCodec",
         "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),
+        "rans": ("kvtool.codecs.rans:RansCodec", "rans"),
     },
 )
 

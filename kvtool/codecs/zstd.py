@@ -2,6 +2,13 @@
 
 Frames are written with their content size and a checksum, so decode can refuse
 an oversized frame before allocating and detects corruption.
+
+Encoder tuning (``strategy``, ``min_match``, ``hash_log``, ``window_log``)
+overrides what the level picks; it changes speed and ratio, never the format:
+every frame is plain zstd. The ``huff`` preset (``zstd:huff``) is for planes
+that are low in entropy but have few repeats, such as a float exponent plane:
+the fast strategy with a minimum match of 7 and a tiny hash table finds almost
+no matches, so the time goes to zstd's Huffman literal coder.
 """
 
 from __future__ import annotations
@@ -14,20 +21,80 @@ from kvtool.codecs.base import Availability, BufferLike, Codec, as_memoryview, c
 from kvtool.errors import DecodeError, UsageError
 
 
+STRATEGIES = {
+    "fast": zstandard.STRATEGY_FAST,
+    "dfast": zstandard.STRATEGY_DFAST,
+    "greedy": zstandard.STRATEGY_GREEDY,
+    "lazy": zstandard.STRATEGY_LAZY,
+    "lazy2": zstandard.STRATEGY_LAZY2,
+    "btlazy2": zstandard.STRATEGY_BTLAZY2,
+    "btopt": zstandard.STRATEGY_BTOPT,
+    "btultra": zstandard.STRATEGY_BTULTRA,
+    "btultra2": zstandard.STRATEGY_BTULTRA2,
+}
+#: Encoder parameters and their allowed ranges; ``None`` leaves the level's choice.
+TUNING = {
+    "min_match": (zstandard.MINMATCH_MIN, zstandard.MINMATCH_MAX),
+    "hash_log": (zstandard.HASHLOG_MIN, zstandard.HASHLOG_MAX),
+    "window_log": (zstandard.WINDOWLOG_MIN, zstandard.WINDOWLOG_MAX),
+}
+#: Named tunings a spec can use in place of a level (``zstd:huff``).
+PRESETS = {"huff": {"level": 1, "strategy": "fast", "min_match": 7, "hash_log": 6, "window_log": 17}}
+
+
 class ZstdCodec(Codec):
     codec_id = "zstd"
-    params = ("level", "threads")
+    params = ("level", "threads", "strategy", *TUNING)
     magic = b"\x28\xb5\x2f\xfd"
 
-    def __init__(self, level: int = 3, threads: int = 0):
+    def __init__(
+        self,
+        level: int = 3,
+        threads: int = 0,
+        strategy: str | None = None,
+        min_match: int | None = None,
+        hash_log: int | None = None,
+        window_log: int | None = None,
+    ):
         lo, hi = -(1 << 17), zstandard.MAX_COMPRESSION_LEVEL
         if not lo <= int(level) <= hi:
             raise UsageError(f"zstd level must be in {lo}..{hi}, not {level}")
         if int(threads) < 0:
             raise UsageError(f"zstd threads must be >= 0, not {threads}")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise UsageError(f"zstd strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
         self.level = int(level)
         self.threads = int(threads)
+        self.strategy = strategy
+        for name, value in {"min_match": min_match, "hash_log": hash_log, "window_log": window_log}.items():
+            low, high = TUNING[name]
+            if value is not None and not low <= int(value) <= high:
+                raise UsageError(f"zstd {name} must be in {low}..{high}, not {value}")
+            setattr(self, name, None if value is None else int(value))
         self._local = threading.local()  # zstd contexts are not thread-safe
+
+    @classmethod
+    def from_spec_arg(cls, arg: str) -> "ZstdCodec":
+        """``zstd:LEVEL`` or ``zstd:PRESET`` (a name from ``PRESETS``)."""
+        if arg in PRESETS:
+            return cls(**PRESETS[arg])
+        try:
+            return cls(level=int(arg))
+        except ValueError:
+            raise UsageError(f"codec 'zstd': give a level or one of {', '.join(PRESETS)}, not {arg!r}") from None
+
+    def get_config(self) -> dict:
+        """The level and threads, plus only the tuning parameters that are set."""
+        config = super().get_config()
+        return {k: v for k, v in config.items() if v is not None}
+
+    def spec(self) -> str:
+        tuning = {k: v for k, v in self.get_config().items() if k not in ("id", "threads")}
+        preset = next((name for name, p in PRESETS.items() if p == tuning and self.threads == 0), None)
+        return f"zstd:{preset}" if preset else super().spec()
+
+    def _tuned(self) -> bool:
+        return self.strategy is not None or any(getattr(self, name) is not None for name in TUNING)
 
     @classmethod
     def available(cls) -> Availability:
@@ -36,9 +103,26 @@ class ZstdCodec(Codec):
     def _cctx(self) -> zstandard.ZstdCompressor:
         cctx = getattr(self._local, "cctx", None)
         if cctx is None:
-            cctx = self._local.cctx = zstandard.ZstdCompressor(
-                level=self.level, threads=self.threads, write_checksum=True, write_content_size=True
-            )
+            if self._tuned():
+                base = zstandard.ZstdCompressionParameters.from_level(self.level)
+                params = zstandard.ZstdCompressionParameters(
+                    window_log=self.window_log or base.window_log,
+                    chain_log=base.chain_log,
+                    hash_log=self.hash_log or base.hash_log,
+                    search_log=base.search_log,
+                    min_match=self.min_match or base.min_match,
+                    target_length=base.target_length,
+                    strategy=STRATEGIES[self.strategy] if self.strategy else base.strategy,
+                    threads=self.threads,
+                    write_checksum=True,
+                    write_content_size=True,
+                )
+                cctx = zstandard.ZstdCompressor(compression_params=params)
+            else:
+                cctx = zstandard.ZstdCompressor(
+                    level=self.level, threads=self.threads, write_checksum=True, write_content_size=True
+                )
+            self._local.cctx = cctx
         return cctx
 
     def _dctx(self) -> zstandard.ZstdDecompressor:

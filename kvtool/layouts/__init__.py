@@ -30,6 +30,7 @@ registry: Registry[type[Layout]] = Registry(
         "bf16-split": "kvtool.layouts.float_split:Bf16Split",
         "fp16-split": "kvtool.layouts.float_split:Fp16Split",
         "xor-delta": "kvtool.layouts.xor_delta:XorDelta",
+        "sx-split": "kvtool.layouts.sign_exponent:SignExponentSplit",
     },
 )
 
