@@ -1,0 +1,195 @@
+"""Run recipes over caches through the .kvz container and measure them.
+
+For each (cache, recipe): the .kvz bytes once, for the ratio and the sizes per
+K/V, layer and plane (``KvzReader.sizes()``), checked to decode to the same
+bits; then compression and decompression timed, best of ``repeat``, on one
+thread and on ``threads``. Compression writes to a sink that only counts, so
+what is timed is the container's work (layout, codecs, checksums, index) and
+not the growth of an output buffer. Throughput is MB/s of original data
+(10**6 bytes); CPU time (``time.process_time``, all threads) is per GB of
+original data, from the single-thread runs.
+
+A recipe that cannot run here is a result too: ``unavailable`` (a codec's
+library is missing) or ``not applicable`` (the recipe does not fit the
+cache's dtype), with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from kvtool.bench.bounds import entropy_limits
+from kvtool.cache import KVCache
+from kvtool.container import DEFAULT_CHUNK_TOKENS, KvzReader, encode_cache, write_cache
+from kvtool.errors import KvtoolError, UnavailableError
+from kvtool.layouts.base import PlaneSpec
+from kvtool.recipe import Recipe
+
+OK, UNAVAILABLE, NOT_APPLICABLE = "ok", "unavailable", "not applicable"
+
+
+@dataclass
+class Result:
+    recipe: str
+    status: str
+    reason: str = ""
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    ratio: float | None = None
+    by_kind: dict[str, float] = field(default_factory=dict)  # original bytes over stored chunk bytes
+    by_layer: dict[str, float] = field(default_factory=dict)
+    by_plane: dict[str, float] = field(default_factory=dict)  # a plane's bytes over its stored bytes
+    compress_mbps: dict[str, float] = field(default_factory=dict)  # by thread count, as a string for JSON
+    decompress_mbps: dict[str, float] = field(default_factory=dict)
+    compress_cpu_s_per_gb: float | None = None
+    decompress_cpu_s_per_gb: float | None = None
+
+
+@dataclass
+class FileReport:
+    path: str
+    dtype: str
+    layers: int
+    tokens: int
+    shape: list[int]
+    raw_bytes: int
+    limits: dict[str, dict[str, float | None]]
+    results: list[Result]
+
+
+@dataclass
+class Report:
+    machine: dict[str, Any]
+    settings: dict[str, Any]
+    files: list[FileReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _CountingSink:
+    """A binary file that keeps nothing and counts what it is given."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.size += len(data)
+        return len(data)
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and core count, from /proc/cpuinfo where there is one."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def measure(
+    cache: KVCache, spec: str, threads: int, repeat: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> Result:
+    """One recipe on one cache: sizes, a bit-exact check, and best-of-``repeat`` timings."""
+    try:
+        recipe = Recipe.parse(spec)
+    except UnavailableError as exc:
+        return Result(spec, UNAVAILABLE, str(exc))
+    missing = [
+        f"{c.codec_id}: {c.available().reason}"
+        for c in {recipe.codec, *recipe.plane_codecs.values()}
+        if not c.available().ok
+    ]
+    if missing:
+        return Result(spec, UNAVAILABLE, "; ".join(sorted(missing)))
+    try:
+        if cache.keys:
+            recipe.plan(PlaneSpec.of(cache.keys[0][:, :1]))
+    except KvtoolError as exc:
+        return Result(spec, NOT_APPLICABLE, str(exc))
+
+    original: dict[str, dict] = {"kind": {}, "layer": {}}
+    for layer, kind, array in cache.tensors():
+        original["kind"][kind] = original["kind"].get(kind, 0) + array.nbytes
+        original["layer"][layer] = original["layer"].get(layer, 0) + array.nbytes
+    blob = encode_cache(cache, recipe, chunk_tokens=chunk_tokens, threads=1)
+    with KvzReader.from_bytes(blob) as reader:
+        sizes = reader.sizes()
+        if not reader.read(threads=1).equal_bits(cache):
+            raise KvtoolError(f"recipe {spec!r} did not round-trip bit for bit")
+    result = Result(
+        spec, OK,
+        raw_bytes=sizes["total"]["raw"],
+        stored_bytes=len(blob),
+        ratio=round(cache.nbytes / len(blob), 4),
+        by_kind=_ratios(original["kind"], sizes["by_kind"]),
+        by_layer=_ratios(original["layer"], sizes["by_layer"]),
+        by_plane={k: round(v["ratio"], 4) for k, v in sizes["by_plane"].items()},
+    )
+    gigabytes = cache.nbytes / 1e9
+    for n in sorted({1, threads}):
+        wall, cpu = _best(lambda: write_cache(_CountingSink(), cache, recipe, chunk_tokens, threads=n), repeat)
+        result.compress_mbps[str(n)] = round(cache.nbytes / wall / 1e6, 1)
+        if n == 1:
+            result.compress_cpu_s_per_gb = round(cpu / gigabytes, 3)
+        wall, cpu = _best(lambda: _decode(blob, n), repeat)
+        result.decompress_mbps[str(n)] = round(cache.nbytes / wall / 1e6, 1)
+        if n == 1:
+            result.decompress_cpu_s_per_gb = round(cpu / gigabytes, 3)
+    return result
+
+
+def _ratios(original: dict, stored: dict) -> dict[str, float]:
+    """Original bytes over stored chunk bytes, per group (planes may be larger than the data they hold)."""
+    return {str(key): round(original[key] / group["stored"], 4) for key, group in stored.items() if group["stored"]}
+
+
+def _decode(blob: bytes, threads: int) -> None:
+    with KvzReader.from_bytes(blob) as reader:
+        reader.read(threads=threads)
+
+
+def _best(run: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """The shortest wall time and the shortest CPU time of ``repeat`` runs."""
+    walls, cpus = [], []
+    for _ in range(max(1, repeat)):
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return max(min(walls), 1e-9), min(cpus)
+
+
+def run_bench(
+    paths: Sequence[Path],
+    recipes: Callable[[KVCache], list[str]],
+    threads: int | None = None,
+    repeat: int = 3,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    on_step: Callable[[str], None] | None = None,
+) -> Report:
+    """Every recipe ``recipes(cache)`` names, on every cache file, with the cache's entropy limits."""
+    threads = threads or os.cpu_count() or 1
+    files = []
+    for path in paths:
+        cache = KVCache.load(path)
+        results = []
+        for spec in recipes(cache):
+            results.append(measure(cache, spec, threads, repeat, chunk_tokens))
+            if on_step:
+                on_step(f"{Path(path).name} {spec}")
+        files.append(
+            FileReport(
+                str(path), cache.dtype.name, cache.num_layers, cache.num_tokens,
+                list(cache.keys[0].shape) if cache.keys else [], cache.nbytes, entropy_limits(cache), results,
+            )
+        )
+    settings = {"threads": threads, "repeat": repeat, "chunk_tokens": chunk_tokens}
+    return Report(machine(), settings, files)

@@ -1,0 +1,111 @@
+"""Text tables and CSV rows from a bench ``Report``.
+
+Throughput on a shared machine swings from run to run; ratios against the
+baselines measured in the same run (``zstd:3``, ``lz4``) do not, so the table
+shows compression speed relative to zstd:3 beside the absolute numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtool.bench.bounds import LABELS, LIMITS
+from kvtool.bench.matrix import OK, FileReport, Report, Result
+
+REFERENCE = "zstd:3"
+#: The limit a recipe's "% of limit" is taken against. Per-channel mantissa tables over
+#: few tokens fit the sample by chance, so the all-fields limit is loose on short caches.
+HEADLINE_LIMIT = "sign_exp_per_channel"
+
+
+def headline(file: FileReport) -> str:
+    tensor = "x".join(map(str, file.shape))
+    return (
+        f"{file.path}: {file.dtype}, {file.layers} layers x K/V [{tensor}], "
+        f"{file.raw_bytes / 1e6:.1f} MB"
+    )
+
+
+def limits_line(file: FileReport) -> str:
+    parts = [f"{LABELS[name]} {file.limits['all'][name]:.3f}x" for name in LIMITS if file.limits["all"][name]]
+    return "order-0 limits: " + " | ".join(parts)
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """Aligned columns: numbers right-aligned with 3 significant decimals at most, text left-aligned."""
+    cells = [[_cell(row.get(col, "")) for col in columns] for row in rows]
+    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
+    numeric = [any(isinstance(row.get(col), (int, float)) for row in rows) for col in columns]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns)] + [line(r) for r in cells])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows and column names of one file's table."""
+    n = str(threads)
+    limit = file.limits["all"].get(HEADLINE_LIMIT)
+    reference = next((r for r in file.results if r.recipe == REFERENCE and r.status == OK), None)
+    columns = ["recipe", "ratio", "% limit", "K", "V", "comp MB/s", f"comp {n}t", "dec MB/s", f"dec {n}t",
+               "vs zstd:3", "cpu s/GB c", "cpu s/GB d", "planes"]
+    rows = []
+    for r in file.results:
+        if r.status != OK:
+            rows.append({"recipe": r.recipe, "planes": f"{r.status}: {r.reason}"})
+            continue
+        rows.append({
+            "recipe": r.recipe,
+            "ratio": r.ratio,
+            "% limit": round(100 * r.ratio / limit, 1) if limit else "",
+            "K": r.by_kind.get("k", ""),
+            "V": r.by_kind.get("v", ""),
+            "comp MB/s": r.compress_mbps["1"],
+            f"comp {n}t": r.compress_mbps.get(n, r.compress_mbps["1"]),
+            "dec MB/s": r.decompress_mbps["1"],
+            f"dec {n}t": r.decompress_mbps.get(n, r.decompress_mbps["1"]),
+            "vs zstd:3": f"{r.compress_mbps['1'] / reference.compress_mbps['1']:.2f}x" if reference else "",
+            "cpu s/GB c": r.compress_cpu_s_per_gb,
+            "cpu s/GB d": r.decompress_cpu_s_per_gb,
+            "planes": " ".join(f"{p} {v:.2f}" for p, v in r.by_plane.items()),
+        })
+    return rows, columns
+
+
+CSV_COLUMNS = [
+    "file", "dtype", "tokens", "recipe", "status", "reason", "raw_bytes", "stored_bytes", "ratio", "ratio_k", "ratio_v",
+    "compress_mbps_1t", "compress_mbps_nt", "decompress_mbps_1t", "decompress_mbps_nt", "threads",
+    "compress_cpu_s_per_gb", "decompress_cpu_s_per_gb", *(f"limit_{name}" for name in LIMITS),
+]
+
+
+def csv_rows(report: Report) -> list[dict[str, Any]]:
+    """One flat row per (file, recipe); per-layer and per-plane ratios are in the JSON only."""
+    n = str(report.settings["threads"])
+    rows = []
+    for file in report.files:
+        for r in file.results:
+            rows.append({
+                "file": file.path, "dtype": file.dtype, "tokens": file.tokens,
+                "recipe": r.recipe, "status": r.status, "reason": r.reason,
+                "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes, "ratio": r.ratio,
+                "ratio_k": r.by_kind.get("k"), "ratio_v": r.by_kind.get("v"),
+                "compress_mbps_1t": r.compress_mbps.get("1"), "compress_mbps_nt": _at(r, "compress_mbps", n),
+                "decompress_mbps_1t": r.decompress_mbps.get("1"), "decompress_mbps_nt": _at(r, "decompress_mbps", n),
+                "threads": n, "compress_cpu_s_per_gb": r.compress_cpu_s_per_gb,
+                "decompress_cpu_s_per_gb": r.decompress_cpu_s_per_gb,
+                **{f"limit_{name}": file.limits["all"][name] for name in LIMITS},
+            })
+    return rows
+
+
+def _at(result: Result, name: str, threads: str) -> float | None:
+    speeds = getattr(result, name)
+    return speeds.get(threads, speeds.get("1"))
