@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from tqdm import tqdm
+from typer.core import TyperGroup
 
 from kvtool.errors import UsageError
 
@@ -50,3 +51,19 @@ def existing_file(path: Path) -> Path:
 def progress(**kwargs) -> tqdm:
     """A tqdm bar on stderr that stays silent when stderr is not a terminal."""
     return tqdm(file=sys.stderr, disable=None, dynamic_ncols=True, **kwargs)
+
+
+class DefaultCommandGroup(TyperGroup):
+    """A command group whose arguments go to a default command unless they start with a command name.
+
+    ``kvtool bench samples/*.safetensors`` runs the default command as
+    ``kvtool bench compression samples/*.safetensors`` does, while
+    ``kvtool bench ttft`` runs ``ttft``. ``--help`` alone shows the group.
+    """
+
+    default_command = "compression"
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
