@@ -24,6 +24,7 @@ import ctypes
 import gzip
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -102,8 +103,10 @@ def _status_name(rc: int) -> str:
 
 #: Without a device, each qzCompress of libqatzip 1.3 re-runs its hardware probe, which
 #: creates a pthread key and never deletes it. A process has 1024 such keys; once they are
-#: gone, any library that creates one fails (Rust's thread locals abort the process). After
-#: this many software-fallback calls a process stops calling QATzip (see QatCodec.encode).
+#: gone, any library that creates one fails (Rust's thread locals abort the process).
+#: Where kvtool knows the library's layout it deletes that key after each call (see
+#: ``_KeyReclaimer``); elsewhere, after this many software-fallback calls a process stops
+#: calling QATzip (see QatCodec.encode).
 SOFTWARE_CALL_BUDGET = 512
 
 
@@ -122,6 +125,7 @@ class Library:
         self.hardware = probe.hw_session_stat == QZ_OK
         self.session_status = _status_name(probe.hw_session_stat)
         self.software_calls = 0  # see SOFTWARE_CALL_BUDGET
+        self._reclaimer = None if self.hardware else _KeyReclaimer.attach(cdll)
 
     @property
     def implementation(self) -> str:
@@ -131,7 +135,7 @@ class Library:
     @property
     def budget_spent(self) -> bool:
         """True once the software fallback has used the thread keys this process can spare."""
-        return not self.hardware and self.software_calls >= SOFTWARE_CALL_BUDGET
+        return not self.hardware and self._reclaimer is None and self.software_calls >= SOFTWARE_CALL_BUDGET
 
     def compress(self, view: memoryview, level: int, hw_buffer_size: int) -> bytes:
         """Gzip ``view`` through QATzip; the GIL is released while QATzip works."""
@@ -150,6 +154,8 @@ class Library:
                 with contextlib.nullcontext() if self.hardware else _probe_noise_filtered():
                     self.software_calls += not self.hardware
                     rc = self._cdll.qzCompress(byref(sess), base + start, byref(src_len), dest, byref(dest_len), 1)
+                    if self._reclaimer is not None:
+                        self._reclaimer.reclaim()
                 del dest  # releases the export so that ``out`` can shrink
                 if rc != QZ_OK or src_len.value != size:
                     raise KvtoolError(
@@ -354,3 +360,47 @@ def _probe_noise_filtered():
             kept = capture.read().replace(_PROBE_NOISE, b"")
             if kept:
                 os.write(2, kept)
+
+
+class _KeyReclaimer:
+    """Deletes the pthread key each software-fallback call of libqatzip 1.3 creates and drops.
+
+    QATzip's hardware probe stores a new key in ``g_process.async_req_key`` on
+    every call and abandons it when the probe fails; the key is only ever used
+    by asynchronous hardware requests. The key is read from that exported
+    global, whose layout (48 bytes, the key at offset 40) is checked by size
+    before use, and deleted while the caller still holds ``_stderr_lock``, so
+    no other QATzip call runs in between.
+    """
+
+    _LAYOUT_SIZE, _KEY_OFFSET = 48, 40
+
+    def __init__(self, key_address: int):
+        self._key = ctypes.c_uint.from_address(key_address)
+        self._libc = ctypes.CDLL(None)
+
+    @classmethod
+    def attach(cls, cdll: ctypes.CDLL) -> "_KeyReclaimer | None":
+        try:
+            address = ctypes.addressof(ctypes.c_char.in_dll(cdll, "g_process"))
+        except ValueError:
+            return None
+        if _symbol_size(cdll, "g_process") != cls._LAYOUT_SIZE:
+            return None
+        return cls(address + cls._KEY_OFFSET)
+
+    def reclaim(self) -> None:
+        self._libc.pthread_key_delete(self._key.value)
+
+
+def _symbol_size(cdll: ctypes.CDLL, name: str) -> int | None:
+    """The size of an exported data symbol, from the library's dynamic symbol table."""
+    try:
+        out = subprocess.run(["nm", "-D", "-S", cdll._name], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[3] == name:
+            return int(fields[1], 16)
+    return None
