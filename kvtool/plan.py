@@ -307,7 +307,7 @@ def validate(ttft_result: dict[str, Any], inputs: Inputs) -> list[dict[str, Any]
     return rows
 
 
-MEASURED_HERE = "measured by `kvtool bench ttft` (HF engine, SmolLM2-135M, bf16 KV) on a shared 2-core AMD EPYC VM; see benchmarks/TTFT.md"
+MEASURED_HERE = "measured by `kvtool bench ttft` (HF engine, SmolLM2-135M, bf16 KV) on a shared 2-core AMD EPYC VM; see BENCHMARKS.md, section Restore beats recompute"
 
 
 # From benchmarks/results/ttft_hf_2048.json (`kvtool plan --calibrate` on it, fastest of 3 repeats);

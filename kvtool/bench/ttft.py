@@ -206,23 +206,12 @@ def summarise(engine: str, model_id: str, trace: Sequence[Turn], results: dict[s
     }
 
 
-def plotting():
-    """matplotlib's pyplot on the Agg backend.
-
-    Import it before the run: after many QATzip sessions the process can run out
-    of thread-specific storage keys, and importing matplotlib then fails.
-    """
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """TTFT per turn for each configuration (lines), p50 per configuration (bars)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot(result: dict[str, Any], path: str | Path) -> None:
-    """TTFT per turn for each configuration (lines), p50 per configuration (bars)."""
-    plt = plotting()
 
     fig, (by_turn, by_config) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, rows in result["turns"].items():

@@ -44,8 +44,6 @@ def ttft(
     def say(message: str) -> None:
         typer.echo(f"[ttft] {message}", err=True)
 
-    if plot:
-        experiment.plotting()
     if engine == "hf":
         from kvtool.bench.ttft_hf import HFEngine
 
