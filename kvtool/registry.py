@@ -13,9 +13,9 @@ import importlib
 import threading
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from kvtool.errors import DuplicateIdError, UnavailableError, UnknownIdError
+from kvtool.errors import DuplicateIdError, UnavailableError, UnknownIdError, UsageError
 
 T = TypeVar("T")
 
@@ -78,6 +78,20 @@ class Registry(Generic[T]):
             if id_ not in self._loaded:
                 self._loaded[id_] = self._import(id_, entry)
         return self._loaded[id_]
+
+    def build(self, spec: str):
+        """An instance from a spec: ``ID`` or ``ID:ARG`` (``zstd:19``, ``xor-delta:-1``)."""
+        id_, sep, arg = spec.strip().partition(":")
+        if not id_:
+            raise UsageError(f"empty {self.kind} spec {spec!r}")
+        cls = self.get(id_)
+        return cls.from_spec_arg(arg) if sep else cls()
+
+    def from_config(self, config: Any):
+        """An instance rebuilt from its ``get_config()`` output, through this registry only."""
+        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+            raise UsageError(f"a {self.kind} config must be an object with a string 'id', not {config!r}")
+        return self.get(config["id"]).from_config(config)
 
     def _import(self, id_: str, entry: _Entry) -> T:
         module_name, _, attr = entry.target.partition(":")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.codecs.base import Availability, BufferLike, Codec
-from kvtool.errors import UsageError
 from kvtool.registry import Registry
 
 registry: Registry[type[Codec]] = Registry(
@@ -30,19 +29,13 @@ registry: Registry[type[Codec]] = Registry(
 
 
 def get_codec(spec: str) -> Codec:
-    """Build a codec from a spec: ``ID`` or ``ID:ARG`` (``zstd``, ``zstd:19``, ``lz4:0``)."""
-    id_, sep, arg = spec.strip().partition(":")
-    if not id_:
-        raise UsageError(f"empty codec spec {spec!r}")
-    cls = registry.get(id_)
-    return cls.from_spec_arg(arg) if sep else cls()
+    """Build a codec from a spec: ``ID`` or ``ID:ARG``."""
+    return registry.build(spec)
 
 
 def codec_from_config(config: dict[str, Any]) -> Codec:
     """Rebuild a codec from its ``get_config()`` output, through the registry only."""
-    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-        raise UsageError(f"a codec config must be an object with a string 'id', not {config!r}")
-    return registry.get(config["id"]).from_config(config)
+    return registry.from_config(config)
 
 
 def sniff_codec(head: bytes) -> Codec | None:

@@ -8,12 +8,12 @@ format.
 from __future__ import annotations
 
 import abc
-import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import ClassVar, Union
 
 import numpy as np
 
+from kvtool.component import Component
 from kvtool.errors import OutputTooLargeError, UsageError
 
 BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
@@ -41,15 +41,16 @@ class Availability:
     implementation: str = ""  # e.g. "QAT hardware", "QATzip software fallback", "libzstd 1.5.7"
 
 
-class Codec(abc.ABC):
+class Codec(Component, abc.ABC):
     """A lossless bytes-to-bytes transform.
 
     Subclasses set ``codec_id`` and ``params`` (the names of their config keys),
     take those as keyword arguments, and implement ``encode``/``decode``.
     """
 
+    kind = "codec"
+    id_attr = "codec_id"
     codec_id: ClassVar[str]
-    params: ClassVar[tuple[str, ...]] = ()
     #: The name of the parameter that ``ID:ARG`` in a spec sets, usually the level.
     spec_param: ClassVar[str | None] = "level"
     #: First bytes of every encoded stream, used to recognise plain compressed files.
@@ -70,39 +71,9 @@ class Codec(abc.ABC):
         """Whether this codec can run here, and through which implementation."""
         return Availability(True)
 
-    def get_config(self) -> dict[str, Any]:
-        return {"id": self.codec_id, **{name: getattr(self, name) for name in self.params}}
-
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Codec":
-        unknown = set(config) - {"id", *cls.params}
-        if unknown:
-            raise UsageError(f"codec {cls.codec_id!r} has no parameter {', '.join(sorted(unknown))}")
-        return cls(**{k: v for k, v in config.items() if k != "id"})
-
-    @classmethod
-    def from_spec_arg(cls, arg: str) -> "Codec":
-        """Build from the text after ``ID:`` in a spec such as ``zstd:3``."""
-        if cls.spec_param is None:
-            raise UsageError(f"codec {cls.codec_id!r} takes no ':' argument")
+    def spec_value(cls, arg: str) -> int:
         try:
-            value = int(arg)
+            return int(arg)
         except ValueError:
             raise UsageError(f"codec {cls.codec_id!r}: {cls.spec_param} must be an integer, not {arg!r}") from None
-        return cls(**{cls.spec_param: value})
-
-    def spec(self) -> str:
-        """The short spec string for this codec (``zstd:3``), lossless only for spec-settable configs."""
-        if self.spec_param is None:
-            return self.codec_id
-        return f"{self.codec_id}:{getattr(self, self.spec_param)}"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Codec) and self.get_config() == other.get_config()
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.get_config(), sort_keys=True))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
-        return f"{type(self).__name__}({args})"

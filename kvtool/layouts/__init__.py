@@ -36,19 +36,13 @@ registry: Registry[type[Layout]] = Registry(
 
 
 def get_layout(spec: str) -> Layout:
-    """Build a layout from a spec: ``ID`` or ``ID:ARG`` (``byteplane``, ``xor-delta:-1``)."""
-    id_, sep, arg = spec.strip().partition(":")
-    if not id_:
-        raise UsageError(f"empty layout spec {spec!r}")
-    cls = registry.get(id_)
-    return cls.from_spec_arg(arg) if sep else cls()
+    """Build a layout from a spec: ``ID`` or ``ID:ARG``."""
+    return registry.build(spec)
 
 
 def layout_from_config(config: dict[str, Any]) -> Layout:
     """Rebuild a layout from its ``get_config()`` output, through the registry only."""
-    if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-        raise UsageError(f"a layout config must be an object with a string 'id', not {config!r}")
-    return registry.get(config["id"]).from_config(config)
+    return registry.from_config(config)
 
 
 def parse_layouts(spec: str) -> LayoutChain:

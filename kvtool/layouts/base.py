@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import abc
 import functools
-import json
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from kvtool.cache import DTYPES
+from kvtool.component import Component
 from kvtool.errors import DecodeError, UsageError
 
 #: The name of a chain's input plane; planes split off it are named by their part alone.
@@ -44,13 +44,12 @@ class PlaneSpec:
         return cls(name, tuple(array.shape), array.dtype)
 
 
-class Layout(abc.ABC):
+class Layout(Component, abc.ABC):
     """An invertible transform of planes. Subclasses set ``layout_id`` and ``params``."""
 
+    kind = "layout"
+    id_attr = "layout_id"
     layout_id: ClassVar[str]
-    params: ClassVar[tuple[str, ...]] = ()
-    #: The parameter that ``ID:ARG`` in a spec sets, if any.
-    spec_param: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
@@ -71,37 +70,6 @@ class Layout(abc.ABC):
         stage that works along the tokens (``xor-delta``) finds them.
         """
         return axis
-
-    def get_config(self) -> dict[str, Any]:
-        return {"id": self.layout_id, **{name: getattr(self, name) for name in self.params}}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Layout":
-        unknown = set(config) - {"id", *cls.params}
-        if unknown:
-            raise UsageError(f"layout {cls.layout_id!r} has no parameter {', '.join(sorted(unknown))}")
-        return cls(**{k: v for k, v in config.items() if k != "id"})
-
-    @classmethod
-    def from_spec_arg(cls, arg: str) -> "Layout":
-        if cls.spec_param is None:
-            raise UsageError(f"layout {cls.layout_id!r} takes no ':' argument")
-        return cls(**{cls.spec_param: arg})
-
-    def spec(self) -> str:
-        if self.spec_param is None:
-            return self.layout_id
-        return f"{self.layout_id}:{getattr(self, self.spec_param)}"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self.get_config() == other.get_config()
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.get_config(), sort_keys=True))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "id")
-        return f"{type(self).__name__}({args})"
 
 
 class PlaneWiseLayout(Layout):
