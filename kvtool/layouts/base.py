@@ -107,6 +107,31 @@ class PlaneWiseLayout(Layout):
         return result
 
 
+class TokenAxisLayout(PlaneWiseLayout):
+    """A plane-wise layout that works along one axis, the tokens, given counted from the end.
+
+    ``parse_layouts`` points it at the token axis wherever earlier stages moved it
+    (``channel-major|xor-delta`` works along ``-1``); ``ID:AXIS`` sets it by hand.
+    """
+
+    params = ("axis",)
+    spec_param = "axis"
+
+    def __init__(self, axis: int = TOKEN_AXIS):
+        if isinstance(axis, bool) or not isinstance(axis, int) or axis >= 0:
+            raise UsageError(
+                f"{self.layout_id} axis must be a negative integer (-2: tokens of [heads, tokens, dim]), not {axis!r}"
+            )
+        self.axis = axis
+
+    @classmethod
+    def spec_value(cls, arg: str) -> int:
+        try:
+            return int(arg)
+        except ValueError:
+            raise UsageError(f"{cls.layout_id} axis must be a negative integer such as -2, not {arg!r}") from None
+
+
 def check_planes(layout_id: str, planes: list[np.ndarray], expected: list[PlaneSpec]) -> None:
     """Raise ``DecodeError`` unless ``planes`` have exactly the expected count, shapes and dtypes."""
     if len(planes) != len(expected):

@@ -32,30 +32,14 @@ import numpy as np
 
 from kvtool.cache import DTYPES
 from kvtool.errors import UsageError
-from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, child_name, dtype_name
+from kvtool.layouts.base import PlaneSpec, TokenAxisLayout, child_name, dtype_name
 
-TOKEN_AXIS = -2
 #: The dtypes whose sign and exponent fit one 16-bit symbol and whose mantissa fits another.
 SPLIT_DTYPES = {DTYPES[name].numpy: DTYPES[name] for name in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")}
 
 
-class SignExponentSplit(PlaneWiseLayout):
+class SignExponentSplit(TokenAxisLayout):
     layout_id = "sx-split"
-    params = ("axis",)
-    spec_param = "axis"
-
-    def __init__(self, axis: int = TOKEN_AXIS):
-        if isinstance(axis, bool) or not isinstance(axis, int) or axis >= 0:
-            raise UsageError(f"sx-split axis must be a negative integer (-2: tokens of [heads, tokens, dim]), not {axis!r}")
-        self.axis = axis
-
-    @classmethod
-    def from_spec_arg(cls, arg: str) -> "SignExponentSplit":
-        try:
-            axis = int(arg)
-        except ValueError:
-            raise UsageError(f"sx-split axis must be a negative integer such as -2, not {arg!r}") from None
-        return cls(axis=axis)
 
     def plan_plane(self, spec: PlaneSpec) -> list[PlaneSpec]:
         dtype = self._dtype(spec.dtype)

@@ -19,29 +19,13 @@ import sys
 
 import numpy as np
 
-from kvtool.errors import UsageError
-from kvtool.layouts.base import TOKEN_AXIS, PlaneSpec, PlaneWiseLayout, bits_dtype
+from kvtool.layouts.base import PlaneSpec, TokenAxisLayout, bits_dtype
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-class XorDelta(PlaneWiseLayout):
+class XorDelta(TokenAxisLayout):
     layout_id = "xor-delta"
-    params = ("axis",)
-    spec_param = "axis"
-
-    def __init__(self, axis: int = TOKEN_AXIS):
-        if isinstance(axis, bool) or not isinstance(axis, int) or axis >= 0:
-            raise UsageError(f"xor-delta axis must be a negative integer (-2: tokens of [heads, tokens, dim]), not {axis!r}")
-        self.axis = axis
-
-    @classmethod
-    def from_spec_arg(cls, arg: str) -> "XorDelta":
-        try:
-            axis = int(arg)
-        except ValueError:
-            raise UsageError(f"xor-delta axis must be a negative integer such as -2, not {arg!r}") from None
-        return cls(axis=axis)
 
     def plan_plane(self, spec: PlaneSpec) -> list[PlaneSpec]:
         bits_dtype(self.layout_id, spec.dtype)
