@@ -12,6 +12,8 @@
  */
 #include "huffman.h"
 
+_Static_assert(5 * KVN_HUF_MAXBITS <= 56, "a decode step takes five lookups from one 57-bit refill");
+
 typedef struct { uint32_t count; uint16_t sym; } leaf;
 
 int kvn_huf_lengths(const uint32_t count[256], uint8_t len[256]) {
@@ -175,7 +177,7 @@ void kvn_huf_encode4(const uint8_t *sym, size_t n, const uint16_t code[256], con
 
 /* A stream is read through an absolute bit position `pos` from the start of all four streams:
  * eight bytes loaded at pos / 8 hold at least 57 unread bits, enough for five lookups of
- * KVN_HUF_MAXBITS bits (<= 55). A sentinel bit at 63, where no lookup reaches, tells by its
+ * KVN_HUF_MAXBITS bits (<= 55 while MAXBITS <= 11). A sentinel bit at 63, where no lookup reaches, tells by its
  * leading zeros how many bits the five took. Few registers per stream (pos, o) let four
  * streams run side by side. A table slot (uint64): symbols in bits 0-31, their count in
  * bits 32-39, the first one's length in bits 48-55, all their bits in bits 56-63. */
@@ -202,7 +204,7 @@ static int finish(uint64_t pos, uint64_t end_bit, uint8_t *o, uint8_t *oend, con
     uint64_t end_byte = (end_bit + 7) >> 3;
     while (o < oend) {
         uint64_t buf = 0;
-        for (uint64_t b = 0; b < 3; b++) {  /* 3 bytes hold the 11 bits from any bit offset */
+        for (uint64_t b = 0; b < 3; b++) {  /* 3 bytes hold MAXBITS (<= 17) bits from any bit offset */
             uint64_t at = (pos >> 3) + b;
             buf |= (uint64_t)(at < end_byte ? in[at] : 0) << (8 * b);
         }

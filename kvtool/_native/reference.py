@@ -15,7 +15,7 @@ from kvtool.errors import DecodeError
 
 VERSION = 1
 MODE_CODED, MODE_ONE_SYMBOL = 0, 1
-MAXBITS = 11
+MAXBITS = 10
 STREAMS = 4
 
 
