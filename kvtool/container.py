@@ -179,11 +179,10 @@ def _write_tensors(out, tensors, batch: BatchCodec, chunk_tokens: int, threads, 
 
 def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, int, bytes | memoryview]]:
     """``(flags, raw length, raw hash, stored hash, stored bytes)`` for each plane of a block."""
+    planes = recipe.layouts.forward([block.array])
     if recipe.array_codec is not None:
-        planes = [np.ascontiguousarray(block.array)]
-        stored_planes = [recipe.array_codec.encode_array(block.array)]
+        stored_planes = [recipe.array_codec.encode_array(planes[0])]
     else:
-        planes = recipe.layouts.forward([block.array])
         specs = recipe.plan(PlaneSpec.of(block.array))
         stored_planes = [recipe.codec_for(spec.name).encode(_plane_bytes(p)) for spec, p in zip(specs, planes)]
     out = []

@@ -50,17 +50,14 @@ class Recipe:
         return cls(layouts, codec, plane_codecs)
 
     def __post_init__(self) -> None:
-        if isinstance(self.codec, ArrayCodec) and (self.layouts.layouts or self.plane_codecs):
-            raise UsageError(
-                f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} takes the KV tensor itself; "
-                "it cannot follow layouts or share the stage with plane codecs"
-            )
+        if isinstance(self.codec, ArrayCodec) and self.plane_codecs:
+            raise UsageError(f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} codes the whole block; it takes no plane codecs")
         if any(isinstance(c, ArrayCodec) for c in self.plane_codecs.values()):
             raise UsageError(f"recipe {self.spec()!r}: an array codec cannot code a single plane")
 
     @property
     def array_codec(self) -> ArrayCodec | None:
-        """The codec, when it takes whole KV blocks (the recipe then has no layouts)."""
+        """The codec, when it takes whole KV blocks: the layouts before it must leave one [heads, tokens, dim] plane."""
         return self.codec if isinstance(self.codec, ArrayCodec) else None
 
     def spec(self) -> str:
@@ -73,9 +70,15 @@ class Recipe:
 
     def plan(self, tensor: PlaneSpec) -> list[PlaneSpec]:
         """The planes this recipe cuts a tensor block into, checking per-plane codec names."""
-        if self.array_codec is not None and not self.array_codec.supports(tensor.dtype):
-            raise UsageError(f"recipe {self.spec()!r} cannot code {np.dtype(tensor.dtype)} tensors; use e.g. 'byteplane|zstd:3'")
         planes = self.layouts.plan([tensor])
+        if self.array_codec is not None:
+            if len(planes) != 1 or len(planes[0].shape) != 3:
+                raise UsageError(
+                    f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} takes one [heads, tokens, dim] block; "
+                    f"its layouts leave {[p.name for p in planes]}"
+                )
+            if not self.array_codec.supports(planes[0].dtype):
+                raise UsageError(f"recipe {self.spec()!r} cannot code {np.dtype(planes[0].dtype)} tensors; use e.g. 'byteplane|zstd:3'")
         unknown = set(self.plane_codecs) - {p.name for p in planes}
         if unknown:
             raise UsageError(

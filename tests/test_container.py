@@ -28,6 +28,8 @@ RECIPES = [
     "channel-major|xor-delta|byteplane|zlib:1",
     "byteplane|qat",
     "byteplane|isal:1",
+    "exphuff",
+    "token-major|exphuff",
 ]
 
 
