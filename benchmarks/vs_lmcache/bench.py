@@ -128,8 +128,12 @@ async def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float)
 
 
 async def start(config: Config, args: argparse.Namespace, workdir: Path, tag: str, budget_gb: float) -> Servers:
+    # One compute thread in both process modes: vLLM serves with one torch thread in a single
+    # process, but binds one OpenMP thread per core in its separate worker process, which on a
+    # shared machine spins against everything else.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gb), "PYTHONHASHSEED": "0",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0",
+           "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     log = workdir / f"{tag}.vllm.log"
     lmcache = lmcache_http = stats_file = None
@@ -387,6 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity-gb", type=float, default=0.09, help="GiB, for both")
     p.add_argument("--capacity-repeats", type=int, default=1)
     p.add_argument("--vllm-kv-gb", type=int, default=1, help="vLLM's own KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--threads", type=int, default=1, help="vLLM's compute threads (OMP_NUM_THREADS)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)
