@@ -254,7 +254,7 @@ def snapshot(servers: Servers, lmcache_status: dict | None) -> dict[str, Any]:
     snap: dict[str, Any] = {"time": time.perf_counter()}
     if servers.lmcache is not None:
         snap["connector_cpu_s"] = process_tree_cpu(servers.lmcache.pid)
-        snap["lmcache_status"] = lmcache_status
+        snap["lmcache_storage"] = lmcache_status["storage_manager"]  # its memory figures; the rest holds local paths
     if servers.stats_file is not None and servers.stats_file.exists():
         snap["kvtool"] = json.loads(servers.stats_file.read_text())
     snap["vllm_cpu_s"] = process_tree_cpu(servers.vllm.pid)
@@ -299,6 +299,21 @@ def configs(args: argparse.Namespace) -> list[Config]:
     return [every[name] for name in args.configs.split(",")]
 
 
+def shown(value: Any) -> Any:
+    """A setting as the results record it: a path inside the repository relative to it, an outside one by name."""
+    if not isinstance(value, (str, Path)) or os.sep not in str(value):
+        return value
+    path = Path(os.path.abspath(value))  # not resolve(): a venv's python links outside it
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else f"(outside the repository) {path.name}"
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """Bytes of K and V per token over all layers in vLLM's bfloat16 cache."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * 2
+
+
 def tokenizer_data(model: Path) -> tuple[int, list[int], list[list[int]]]:
     from transformers import AutoTokenizer
 
@@ -310,8 +325,8 @@ def tokenizer_data(model: Path) -> tuple[int, list[int], list[list[int]]]:
 
 async def main_async(args: argparse.Namespace) -> None:
     vocab, pool, messages = tokenizer_data(args.model)
-    results: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                               "runs": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results: dict[str, Any] = {"settings": {k: shown(v) for k, v in vars(args).items()},
+                               "kv_bytes_per_token": kv_bytes_per_token(args.model), "runs": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     order = configs(args)
     workdir = Path(tempfile.mkdtemp(prefix="vs-lmcache-"))
     print(f"logs in {workdir}", file=sys.stderr)
@@ -357,7 +372,6 @@ async def main_async(args: argparse.Namespace) -> None:
             stop(servers.vllm)
             run["final"] = json.loads(servers.stats_file.read_text()) if servers.stats_file and servers.stats_file.exists() else None
             stop(servers.lmcache)
-            run["vllm_log_tail"] = servers.log.read_text(errors="replace")[-3000:]
             results["runs"].append(run)
             save()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

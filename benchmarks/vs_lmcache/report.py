@@ -31,15 +31,9 @@ def pct(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def kv_bytes_per_token(model_dir: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * 2  # K and V, 2-byte dtype
-
-
 def used_bytes(snap: dict[str, Any]) -> int | None:
-    if snap.get("lmcache_status"):
-        return snap["lmcache_status"]["storage_manager"]["l1_manager"]["memory_used_bytes"]
+    if snap.get("lmcache_storage"):
+        return snap["lmcache_storage"]["l1_manager"]["memory_used_bytes"]
     store = (snap.get("kvtool") or {}).get("store")
     return store["used_bytes"] if store else None
 
@@ -72,8 +66,7 @@ def reference_outputs(runs: list[dict]) -> dict[tuple, dict[str, list[int]]]:
 
 def summarise(results: dict) -> dict[str, Any]:
     runs = results["runs"]
-    model = results["settings"]["model"]
-    per_token = kv_bytes_per_token(model)
+    per_token = results["kv_bytes_per_token"]
     outputs = reference_outputs(runs)
     ttft: dict[tuple, list[float]] = defaultdict(list)
     repeat_p50: dict[tuple, list[float]] = defaultdict(list)
@@ -126,7 +119,7 @@ def tables(results: dict, s: dict[str, Any]) -> str:
     st = results["settings"]
     out.append(f"Settings: {json.dumps({k: st[k] for k in sorted(st) if k not in ('out', 'model', 'kvtool_python', 'lmcache_python')})}")
     out.append("")
-    out.append("| workload | c | config | requests | TTFT p50 s | TTFT p90 s | p50 per repeat s | restored / stored tokens | outputs = prefix-cache ref | outputs = recompute |")
+    out.append("| workload | c | config | requests | TTFT p50 s | TTFT p90 s | p50 per repeat s | reused / stored tokens | outputs = prefix-cache ref | outputs = recompute |")
     out.append("|---|---:|---|---:|---:|---:|---|---:|---:|---:|")
     keys = sorted({k for k in s["ttft"] if k[0] == "main"}, key=lambda k: (k[1] != "shared", k[2], ORDER.index(k[3])))
     for key in keys:
@@ -140,7 +133,7 @@ def tables(results: dict, s: dict[str, Any]) -> str:
             f"{f'{m[0]}/{m[1]}' if m[1] else '-'} | {f'{m[2]}/{m[3]}' if m[3] else '-'} |"
         )
     out.append("")
-    out.append("| config | bytes held per agent session | sessions kept per GiB | bytes vs LMCache | connector CPU s per restored GB |")
+    out.append("| config | bytes held per agent session | sessions kept per GiB | LMCache's bytes / these | connector CPU s per restored GB |")
     out.append("|---|---:|---:|---:|---:|")
     lm = statistics.mean(s["held"]["lmcache"]) if s["held"].get("lmcache") else None
     for cfg in CONNECTORS:
@@ -148,8 +141,8 @@ def tables(results: dict, s: dict[str, Any]) -> str:
             continue
         h = statistics.mean(s["held"][cfg])
         cpu_s, restored_bytes = s["cpu"][cfg]
-        out.append(f"| {cfg} | {h / 1e6:.2f} MB | {2**30 / h:.1f} | {f'{lm / h:.2f}x fewer' if lm else '-'} | "
-                   f"{cpu_s / (restored_bytes / 1e9):.1f} |" if restored_bytes else "| - |")
+        per_gb = f"{cpu_s / (restored_bytes / 1e9):.1f}" if restored_bytes else "-"
+        out.append(f"| {cfg} | {h / 1e6:.2f} MB | {2**30 / h:.1f} | {f'{lm / h:.2f}x' if lm else '-'} | {per_gb} |")
     cap = sorted({k for k in s["ttft"] if k[0] == "capacity"}, key=lambda k: ORDER.index(k[3]))
     if cap:
         out.append("")
