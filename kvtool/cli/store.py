@@ -9,9 +9,10 @@ from typing import Optional
 import typer
 
 from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
-from kvtool.errors import KvtoolError
+from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.store import Store, TieredStore, open_store
+from kvtool.store.metrics import prometheus_text
 from kvtool.units import format_size
 
 store_app = typer.Typer(
@@ -38,8 +39,8 @@ def default_store_url() -> str:
     return "file://" + str(Path(cache) / "kvtool" / "store")
 
 
-def _open(url: Optional[str]) -> Store:
-    return open_store(url or default_store_url())
+def _open(url: Optional[str], read_only: bool = False) -> Store:
+    return open_store(url or default_store_url(), read_only=read_only)
 
 
 @store_app.command("put")
@@ -80,8 +81,8 @@ def get(
 
 @store_app.command("ls")
 def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
-    """List the entries: key, tier, stored size and token count."""
-    with _open(store) as s:
+    """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
+    with _open(store, read_only=True) as s:
         rows = []
         for key in s.keys():
             info = s.info(key)
@@ -97,12 +98,29 @@ def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
 
 
 @store_app.command("stats")
-def stats(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
-    """What the store holds, per tier: entries, bytes, capacity."""
-    with _open(store) as s:
+def stats(
+    store: Optional[str] = STORE_OPTION,
+    json_out: bool = JSON_OPTION,
+    prometheus: bool = typer.Option(
+        False, "--prometheus", help="Print Prometheus text exposition format (needs the metrics extra)."
+    ),
+):
+    """What the store holds, per tier: entries, bytes, capacity (reads only: changes nothing).
+
+    --json and --prometheus add this process's counters (hits, bytes read, ...),
+    which start at zero: a store's activity is in the metrics of the processes using it.
+    """
+    with _open(store, read_only=True) as s:
         data = s.stats()
     if json_out:
         print_json(data)
+        return
+    if prometheus:
+        try:
+            text = prometheus_text(data)
+        except ImportError:
+            raise UsageError("--prometheus needs prometheus_client: pip install 'kvtool[metrics]'") from None
+        typer.echo(text.decode(), nl=False)
         return
     rows = []
     for tier in data.get("tiers", [data]):

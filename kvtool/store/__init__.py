@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from kvtool.errors import UsageError
 from kvtool.registry import Registry
-from kvtool.store.base import Store, StoreClosedError
+from kvtool.store.base import ReadOnlyStoreError, Store, StoreClosedError
 from kvtool.store.entry import Entry, EntryInfo
 from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
 from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
@@ -37,11 +37,13 @@ registry: Registry[type[Store]] = Registry(
 )
 
 
-def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> Store:
+def open_store(url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
     ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
     so a comma inside one URL (a password) must be written ``%2C``.
+    ``read_only`` opens it for inspection: nothing on disk or in a server changes
+    (``Store`` says what that means).
     """
     urls = [part.strip() for part in url.split(",")]
     if not all(urls):
@@ -54,9 +56,13 @@ def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> 
         for tier in tiers:
             tier.close()
         raise
+    for tier in tiers:
+        tier.read_only = read_only
     if len(tiers) == 1 and policy is None:
         return tiers[0]
-    return TieredStore(tiers, policy=policy, promote=promote)
+    store = TieredStore(tiers, policy=policy, promote=promote)
+    store.read_only = read_only
+    return store
 
 __all__ = [
     "CostAwarePolicy",
@@ -66,6 +72,7 @@ __all__ = [
     "Policy",
     "PrefixHit",
     "PrefixKeyer",
+    "ReadOnlyStoreError",
     "Store",
     "StoreClosedError",
     "StoreEvent",

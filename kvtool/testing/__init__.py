@@ -16,6 +16,6 @@ Importing this module needs pytest (the ``test`` extra).
 from kvtool.testing.codecs import CodecTests
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import LayoutTests
-from kvtool.testing.stores import BoundedStoreTests, StoreTests
+from kvtool.testing.stores import BoundedStoreTests, SharedStoreTests, StoreTests
 
-__all__ = ["BoundedStoreTests", "CodecTests", "LayoutTests", "StoreTests", "kv_like_bf16"]
+__all__ = ["BoundedStoreTests", "CodecTests", "LayoutTests", "SharedStoreTests", "StoreTests", "kv_like_bf16"]
