@@ -588,6 +588,113 @@ def test_tiered_store_is_thread_safe(tmp_path):
             assert store.get(key) in (None, key.encode() * 100)
 
 
+# --- write-behind -----------------------------------------------------------------
+
+
+def _behind(tmp_path, top: int = 8, write_behind: int = 4) -> TieredStore:
+    size = _record_size(key="k" * 8) + 40
+    return TieredStore([MemoryStore(capacity=top * size), FileStore(tmp_path / "file")], write_behind=write_behind)
+
+
+def test_memory_entries_reach_the_file_tier_and_stay_in_memory(tmp_path):
+    with _behind(tmp_path) as store, FileStore(tmp_path / "file") as other_process:
+        for i in range(5):
+            assert store.put(f"k{i}", _value(i), {"tokens": i})
+        store.flush()
+        assert [store.tier_of(f"k{i}") for i in range(5)] == ["memory"] * 5
+        assert [other_process.get(f"k{i}") for i in range(5)] == [_value(i) for i in range(5)]
+        assert other_process.info("k3").tokens == 3
+        behind = store.stats()["write_behind"]
+        assert (behind["written"] + behind["written_by_caller"], behind["failed"], behind["queued"]) == (5, 0, 0)
+
+
+def test_demoting_an_entry_with_its_copy_writes_nothing(tmp_path):
+    with _behind(tmp_path, top=1) as store:
+        store.put("a", _value(1))
+        store.flush()
+        store.put("b", _value(2))  # a leaves memory: its copy is already in the file tier
+        store.flush()
+        assert (store.tier_of("a"), store.tier_of("b")) == ("file", "memory")
+        assert store.tiers[1].stats()["puts"] == 2
+        assert store.get("a") == _value(1)
+
+
+def test_re_put_and_delete_never_leave_an_old_copy_behind(tmp_path):
+    with _behind(tmp_path) as store, FileStore(tmp_path / "file") as other_process:
+        store.put("k", b"first")
+        store.flush()
+        store.put("k", b"second")
+        assert other_process.get("k") in (None, b"second")
+        store.flush()
+        assert other_process.get("k") == b"second"
+        assert store.delete("k")
+        assert other_process.get("k") is None and store.get("k") is None
+
+
+class _BlockingTier(MemoryStore):
+    """A persistent tier whose writes wait until the test lets them through."""
+
+    persistent = True
+
+    def __init__(self) -> None:
+        super().__init__(capacity=None, name="slow")
+        self.open = threading.Event()
+
+    def _stage(self, entry):
+        self.open.wait(timeout=30)
+        return super()._stage(entry)
+
+
+def test_a_full_write_behind_queue_makes_put_wait(tmp_path):
+    slow = _BlockingTier()
+    with TieredStore([MemoryStore(capacity=None), slow], write_behind=2) as store:
+        done = threading.Event()
+
+        def put_four():
+            for i in range(4):
+                store.put(f"k{i}", _value(i))
+            done.set()
+
+        writer = threading.Thread(target=put_four)
+        writer.start()
+        assert not done.wait(timeout=0.5)  # k0 is being written, k1 and k2 queued: put(k3) writes k3 itself
+        slow.open.set()
+        writer.join(timeout=30)
+        store.flush()
+        assert done.is_set() and sorted(slow.keys()) == ["k0", "k1", "k2", "k3"]
+        assert store.stats()["write_behind"]["written_by_caller"] == 1
+
+
+KILLED_WRITER = """
+import sys, time
+from kvtool.store import TieredStore
+from kvtool.store.file import FileStore
+from kvtool.store.memory import MemoryStore
+
+limit = int(sys.argv[2])
+store = TieredStore([MemoryStore(capacity=None), FileStore(sys.argv[1])], write_behind=limit)
+for i in range(40):
+    store.put(f"k{i}", bytes([i]) * 200_000)
+print("put all", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_process_loses_at_most_the_write_behind_queue(tmp_path):
+    limit = 3
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path / "file"), str(limit)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "put all\n"
+    finally:
+        writer.kill()  # SIGKILL: no close, no flush
+        writer.wait(timeout=30)
+    with FileStore(tmp_path / "file") as store:
+        keys = store.keys()
+        assert len(keys) >= 40 - limit - 1  # the queue, and the one entry being written
+        assert all(store.get(key) == bytes([int(key[1:])]) * 200_000 for key in keys)
+
+
 def test_closed_tiered_store_refuses_scheduling(tmp_path):
     store = _tiered(tmp_path)
     store.close()
