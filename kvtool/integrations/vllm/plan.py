@@ -93,13 +93,14 @@ def find_stored_prefix(
     usable_blocks: int,
     blocks_per_entry: int,
     namer: EntryNamer,
-    is_stored: Callable[[list[str]], list[bool]],
+    is_usable: Callable[[list[tuple[str, int]]], list[bool]],
 ) -> list[EntrySpan]:
     """The longest run of stored entries from the first block, within ``usable_blocks``.
 
     Entries start at multiples of ``blocks_per_entry``. Where the full-size
     entry is missing, a shorter one (a stored prompt's last entry) is tried,
-    longest first; it ends the run. ``is_stored`` answers for a list of keys.
+    longest first; it ends the run. ``is_usable`` answers for a list of
+    ``(key, tokens)``: is that key stored, holding that many tokens.
     """
     usable = min(usable_blocks, len(block_hashes))
     spans: list[EntrySpan] = []
@@ -107,8 +108,8 @@ def find_stored_prefix(
     while start < usable:
         full = min(blocks_per_entry, usable - start)
         candidates = [EntrySpan(namer.entry_id(block_hashes[start + n - 1], n), start, n) for n in range(full, 0, -1)]
-        keys = [key for span in candidates for key in namer.keys(span.entry_id)]
-        present = is_stored(keys)
+        wanted = [(key, span.num_blocks * namer.block_size) for span in candidates for key in namer.keys(span.entry_id)]
+        present = is_usable(wanted)
         ranks = namer.tp_size
         found = next(
             (span for i, span in enumerate(candidates) if all(present[i * ranks:(i + 1) * ranks])), None
