@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +11,7 @@ from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_tab
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.store import Store, TieredStore, open_store
+from kvtool.store.file import default_path
 from kvtool.store.metrics import prometheus_text
 from kvtool.units import format_size
 
@@ -35,8 +35,7 @@ STORE_OPTION = typer.Option(
 
 def default_store_url() -> str:
     """A file store under the user's cache directory, which outlives the process."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return "file://" + str(Path(cache) / "kvtool" / "store")
+    return f"file://{default_path()}"
 
 
 def _open(url: Optional[str], read_only: bool = False) -> Store:

@@ -105,6 +105,12 @@ INSERT OR IGNORE INTO totals VALUES (0, 0, 0, 0);
 """
 
 
+def default_path() -> Path:
+    """The file store kvtool uses unless told otherwise: ``$XDG_CACHE_HOME/kvtool/store`` (``~/.cache/...``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kvtool" / "store"
+
+
 class FileStore(Store):
     """``file:///path?capacity=100GiB``: a directory of entries shared by every process on the host."""
 

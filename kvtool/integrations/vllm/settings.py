@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvtool.errors import UsageError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
+from kvtool.store.file import default_path
 
-DEFAULT_STORE = "memory://?capacity=4GiB"
+
+def default_store() -> str:
+    """4 GiB of memory over 20 GiB of disk in the user's cache: shared by vLLM's processes, kept across restarts."""
+    return f"memory://?capacity=4GiB,file://{default_path()}?capacity=20GiB"
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class ConnectorSettings:
     lives on an accelerator; on vLLM's CPU backend the decoding thread competes
     with the model's own threads and measured slower)."""
 
-    store: str = DEFAULT_STORE
+    store: str = field(default_factory=default_store)
     recipe: str = DEFAULT_RECIPE
     chunk_tokens: int = 256
     model_id: str | None = None
