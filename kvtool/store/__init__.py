@@ -56,11 +56,7 @@ def open_store(url: str, policy: Policy | None = None, promote: bool = True, rea
         for tier in tiers:
             tier.close()
         raise
-    for tier in tiers:
-        tier.read_only = read_only
-    if len(tiers) == 1 and policy is None:
-        return tiers[0]
-    store = TieredStore(tiers, policy=policy, promote=promote)
+    store = tiers[0] if len(tiers) == 1 and policy is None else TieredStore(tiers, policy=policy, promote=promote)
     store.read_only = read_only
     return store
 

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.base import Store, log
-from kvtool.store.entry import Entry, EntryInfo, check_key
+from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, unwrap
 from kvtool.store.policy import LRUPolicy, Placement, Policy, TierProfile
 
 DEFAULT_WRITE_BEHIND = 64  # entries that may wait in memory for their persistent copy
@@ -87,8 +87,8 @@ class TieredStore(Store):
             raise UsageError("a tiered store needs at least one tier")
         if write_behind < 0:
             raise UsageError(f"write_behind is a number of entries, not {write_behind}")
-        super().__init__(capacity=None, name=name)
         self.tiers = list(tiers)
+        super().__init__(capacity=None, name=name)
         self.tier_names = _unique_names([t.name for t in self.tiers])
         self.policy = policy or LRUPolicy()
         self.promote = promote
@@ -110,6 +110,17 @@ class TieredStore(Store):
 
     def describe(self) -> str:
         return ",".join(t.describe() for t in self.tiers)
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        """Read-only applies to every tier too: a damaged entry below stays where it is."""
+        self._read_only = value
+        for tier in getattr(self, "tiers", ()):
+            tier.read_only = value
 
     @property
     def used_bytes(self) -> int:
@@ -452,10 +463,14 @@ class TieredStore(Store):
         with self._lock:
             placement = self._placed.get(key)
             target = None if placement is None or placement.copy_in is not None else self._persist_target(placement)
-            source = None if target is None else self.tiers[placement.tier]
-        entry = None if source is None else source.peek(key)
-        if entry is None:
+            source = None if target is None or self.read_only else self.tiers[placement.tier]
+        record = None if source is None else source.read_record(key)
+        if record is None:
             return None  # deleted, moved or already copied since it was queued
+        try:
+            entry = unwrap(record, key)
+        except CorruptEntryError:
+            return None  # damaged: not copied, and left for a reader to find, log and drop
         staged = self.tiers[target].stage_entry(entry)
         with self._lock:
             if self._placed.get(key) is not placement or placement.tier >= target or placement.copy_in is not None:
@@ -533,7 +548,7 @@ class TieredStore(Store):
                             self._move(current, 0, reason, entry)
                 return entry
             with self._lock:
-                if seen is None:
+                if seen is None or self.read_only:  # read-only: a damaged entry stays, indexed where it is
                     return None
                 if self._placed.get(key) is seen and seen.tier == where[0]:
                     self._forget(seen, f"gone from {self.tier_names[seen.tier]} (expired, evicted, damaged or unreachable)")

@@ -189,6 +189,24 @@ class StoreTests:
         assert "another key" in caplog.text
         assert store.get("a") == b"value of a"
 
+    def test_read_only_reads_and_changes_nothing(self, store: Store, caplog):
+        store.put("k", b"value")
+        record = bytearray(store.read_record("k"))
+        record[-1] ^= 0x01
+        store.write_record("damaged", bytes(record))
+        store.read_only = True
+        assert store.get("k") == b"value" and store.keys().count("k") == 1
+        for write in (lambda: store.put("k", b"new"), lambda: store.delete("k"),
+                      lambda: store.write_record("k", b"x")):
+            with pytest.raises(UsageError, match="read-only"):
+                write()
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("damaged") is None
+        assert "left in place" in caplog.text
+        store.read_only = False
+        assert store.read_record("damaged") == bytes(record)
+        assert store.get("k") == b"value"
+
     # --- lifecycle and reporting --------------------------------------------
 
     def test_closed_store_raises(self, store: Store):
