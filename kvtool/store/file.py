@@ -63,7 +63,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 from kvtool.errors import UsageError
 from kvtool.store.base import StagedWrite, Store, log
@@ -150,20 +150,19 @@ class FileStore(Store):
 
     @property
     def used_bytes(self) -> int:
-        return self._query(lambda db: db.execute("SELECT bytes FROM totals").fetchone()[0], 0)
+        return (self._row("SELECT bytes FROM totals") or (0,))[0]
 
     def path_of(self, key: str) -> Path | None:
         """The file that holds ``key``'s record now, or None."""
         check_key(key)
-        name = self._query(lambda db: _one(db.execute("SELECT file FROM entries WHERE key = ?", (key,))), None)
-        return None if name is None else self._entries / name
+        row = self._row("SELECT file FROM entries WHERE key = ?", key)
+        return None if row is None else self._entries / row[0]
 
     def stats(self) -> dict[str, Any]:
+        """``compression_ratio`` is that of the entries held (with ``raw_bytes`` metadata), whoever wrote them."""
         data = super().stats()
-        raw, size = self._query(
-            lambda db: db.execute("SELECT SUM(raw_bytes), SUM(size) FROM entries WHERE raw_bytes IS NOT NULL").fetchone(),
-            (None, None),
-        )
+        query = "SELECT SUM(raw_bytes), SUM(size) FROM entries WHERE raw_bytes IS NOT NULL"
+        raw, size = self._query(lambda db: db.execute(query).fetchone(), (None, None))
         data["compression_ratio"] = raw / size if raw and size else None
         return data
 
@@ -172,11 +171,15 @@ class FileStore(Store):
     def _read(self, key: str) -> bytes | None:
         previous = None
         for _ in range(_READ_ATTEMPTS):
-            name = self._query(lambda db: _one(db.execute("SELECT file FROM entries WHERE key = ?", (key,))), None)
-            if name is None:
+            row = self._row("SELECT file, size FROM entries WHERE key = ?", key)
+            if row is None:
                 return None
+            name, size = row
             try:
-                record = (self._entries / name).read_bytes()
+                record = _read_exactly(self._entries / name, size)
+            except CorruptEntryError as exc:
+                self._drop_corrupt(key, exc)
+                return None
             except FileNotFoundError:
                 if name == previous:  # not replaced meanwhile: the file is gone for good
                     log.warning("%s: the file of entry %r vanished; treated as a miss", self.name, key)
@@ -218,7 +221,7 @@ class FileStore(Store):
         return name is not None
 
     def _contains(self, key: str) -> bool:
-        return self._query(lambda db: _one(db.execute("SELECT 1 FROM entries WHERE key = ?", (key,))), None) is not None
+        return self._row("SELECT 1 FROM entries WHERE key = ?", key) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         for key in keys:
@@ -228,8 +231,8 @@ class FileStore(Store):
         for start in range(0, len(keys), _QUERY_BATCH):
             batch = list(keys[start:start + _QUERY_BATCH])
             marks = ",".join("?" * len(batch))
-            rows = self._query(lambda db: db.execute(f"SELECT key FROM entries WHERE key IN ({marks})", batch).fetchall(), [])
-            found.update(row[0] for row in rows)
+            query = f"SELECT key FROM entries WHERE key IN ({marks})"
+            found.update(row[0] for row in self._query(lambda db: db.execute(query, batch).fetchall(), []))
         return [key in found for key in keys]
 
     def _keys(self) -> list[str]:
@@ -237,10 +240,10 @@ class FileStore(Store):
         return self._query(lambda db: [row[0] for row in db.execute("SELECT key FROM entries ORDER BY access")], [])
 
     def _count(self) -> int:
-        return self._query(lambda db: db.execute("SELECT entries FROM totals").fetchone()[0], 0)
+        return (self._row("SELECT entries FROM totals") or (0,))[0]
 
     def _info(self, key: str) -> EntryInfo | None:
-        row = self._query(lambda db: db.execute("SELECT size, meta FROM entries WHERE key = ?", (key,)).fetchone(), None)
+        row = self._row("SELECT size, meta FROM entries WHERE key = ?", key)
         return None if row is None else EntryInfo(key, row[0], json.loads(row[1]))
 
     def _close(self) -> None:
@@ -274,9 +277,10 @@ class FileStore(Store):
                     present.add(name)
         referenced = set(self._query(lambda db: [r[0] for r in db.execute("SELECT file FROM entries")], []))
         for name in present - referenced:
-            # a writer holds its file's lock until its commit is done: an unlocked, unnamed file is garbage
-            if _abandoned(self._entries / name, 0.0) and self._query(lambda db: _one(
-                    db.execute("SELECT 1 FROM entries WHERE file = ?", (name,))), None) is None:
+            # A writer holds its file's lock until its commit is done, so the index is asked after the lock
+            # was free: a file that is then still unnamed is garbage.
+            abandoned = _abandoned(self._entries / name, 0.0)
+            if abandoned and self._row("SELECT 1 FROM entries WHERE file = ?", name) is None:
                 log.info("%s: removing %s, which no index entry names", self.name, name)
                 removed["orphans"] += _unlink(self._entries / name)
         for name in referenced - present:
@@ -429,6 +433,10 @@ class FileStore(Store):
             self._touched = {}
         return self._db
 
+    def _row(self, query: str, *params: Any) -> tuple | None:
+        """The first row of a query; None if there is none or the index cannot be read (logged)."""
+        return self._query(lambda db: db.execute(query, params).fetchone(), None)
+
     def _query(self, fn: Callable[[sqlite3.Connection], T], on_failure: T) -> T:
         with self._lock:
             try:
@@ -484,9 +492,13 @@ class _Staged:
             self._fd = -1
 
 
-def _one(cursor: sqlite3.Cursor) -> Any:
-    row = cursor.fetchone()
-    return None if row is None else row[0]
+def _read_exactly(path: Path, size: int) -> bytes:
+    """The file's bytes, if it holds exactly the ``size`` the index recorded (checked before reading)."""
+    with open(path, "rb") as f:
+        actual = os.fstat(f.fileno()).st_size
+        if actual != size:
+            raise CorruptEntryError(f"length mismatch: the file has {actual} bytes, the index says {size}")
+        return f.read()
 
 
 def _abandoned(path: Path, grace_s: float) -> bool:

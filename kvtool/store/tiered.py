@@ -276,7 +276,8 @@ class TieredStore(Store):
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         with self._lock:
             stored = self._place(info, record)
-            persist = stored and self._write_behind is not None and self._persist_target(self._placed[info.key]) is not None
+            persist = stored and self._write_behind is not None
+            persist = persist and self._persist_target(self._placed[info.key]) is not None
         if persist:
             self._write_behind.submit(info.key)
         self._flush_events()

@@ -204,4 +204,4 @@ def test_a_second_server_restores_what_a_killed_one_saved(model: Path, tmp_path:
     second.interrupt()
     log = second.text()
     assert "kvtool at shutdown (scheduler): 3 lookups, 2 hits (2048 tokens found), 1 misses" in log
-    assert "kvtool at shutdown (worker 0): restored 1024 tokens, 1 restore failures" in log
+    assert "kvtool at shutdown (worker 0): 1024 tokens restored, 1 restore failures" in log

@@ -360,7 +360,7 @@ class KvtoolConnector(KVConnectorBase_V1):
             log.info("kvtool at shutdown (scheduler): %d lookups, %d hits (%d tokens found), %d misses",
                      done["lookups"], done["lookup_hits"], done["tokens_found"], done["lookups"] - done["lookup_hits"])
         else:
-            log.info("kvtool at shutdown (worker %d): restored %d tokens, %d restore failures, saved %d entries "
+            log.info("kvtool at shutdown (worker %d): %d tokens restored, %d restore failures, %d entries saved "
                      "(%.1f MB stored, ratio %s)", self._rank, done["tokens_restored"], done["restore_failures"],
                      done["entries_saved"], done["saved_MB"], done.get("compression_ratio", "-"))
 
