@@ -320,14 +320,20 @@ class KvtoolConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KvtoolConnectorStats | None:
         """What this side did since vLLM last asked (both sides are asked after every step)."""
         now = time.monotonic()
-        if self.role == KVConnectorRole.WORKER and self._rank == 0 and now - self._store_sampled >= STORE_SAMPLE_S:
-            self._store_sampled = now
-            self._stats.sample_store(self._store)
+        if self._saver is not None and self._rank == 0 and now - self._store_sampled >= STORE_SAMPLE_S:
+            self._store_sampled = now  # counting a large store's entries takes a moment: not on the step's path
+            self._saver.submit(self._sample_store)
         data = self._stats.take()
         if data is None:
             return None
         merge(self._totals, data)
         return KvtoolConnectorStats(data)
+
+    def _sample_store(self) -> None:
+        try:
+            self._stats.sample_store(self._store)
+        except Exception:
+            log.exception("kvtool: reading the store's stats failed")
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtoolConnectorStats:

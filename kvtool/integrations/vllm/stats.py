@@ -37,7 +37,8 @@ class Metric:
 
 
 METRICS = {m.name: m for m in (
-    Metric("lookups", "counter", "Requests the scheduler looked up in the kvtool store."),
+    Metric("lookups", "counter", "Prompts looked up in the kvtool store (a request vLLM could not schedule at once "
+                                 "is looked up again)."),
     Metric("lookup_hits", "counter", "Lookups that found at least one entry to restore."),
     Metric("tokens_found", "counter", "Prompt tokens found in the store beyond vLLM's own prefix cache (claimed)."),
     Metric("tokens_restored", "counter", "Prompt tokens restored into vLLM's KV cache."),
