@@ -212,8 +212,8 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < njobs; i++) {
         const job *j = &jobs[i];
-        size_t tb = j->block_tokens, raw_len = (size_t)heads * tb * row;
-        if (j->out_index >= ntensors || j->offset > (uint64_t)src.len || j->stored_len > (uint64_t)src.len - j->offset ||
+        size_t tb = j->block_tokens, raw_len;
+        if (__builtin_mul_overflow((size_t)heads * row, tb, &raw_len) || j->out_index >= ntensors || j->offset > (uint64_t)src.len || j->stored_len > (uint64_t)src.len - j->offset ||
             j->block_start >= (int64_t)tokens || j->block_start + (int64_t)tb <= 0 || (j->flags & ~JOB_STORED_RAW)) {
             rc = KVN_ERR_ARG;
         } else if (verify && kvn_xxh3_64(base + j->offset, j->stored_len) != j->stored_xxh3) {
