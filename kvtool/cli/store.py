@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -136,7 +137,9 @@ def stats(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
 def evict(
     keys: list[str] = typer.Argument(..., help="Keys to remove."),
     store: Optional[str] = STORE_OPTION,
-    api: Optional[str] = API_OPTION,
+    api: Optional[str] = typer.Option(
+        None, "--api", show_default=False, help="Evict through this kvtool API server instead of opening --store."
+    ),
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
@@ -252,8 +255,6 @@ def lookup(
         with _client(api, token_file) as client:
             result = client.lookup(ids, **fields)
     else:
-        from dataclasses import asdict
-
         from kvtool.server.lookup import PrefixQuery, lookup_prefix
 
         query = PrefixQuery(ids, **fields).with_defaults({})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,20 @@ class _Uvicorn(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self._api.close()
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT and SIGTERM stop the server; unlike uvicorn's own, the signal is not raised again
+        afterwards, so the caller still closes its store (and saves the memory tier)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 class ApiServer:
