@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 from kvtool.cache import KVCache
@@ -503,3 +504,37 @@ def test_unreachable_server_is_one_clear_error(tmp_path, token):
         with pytest.raises(ApiError) as error:
             api.stats()
     assert error.value.code == "unreachable" and "nobody.sock" in str(error.value)
+
+
+# --- the schema matches what is served --------------------------------------------------------------------
+
+def test_responses_match_the_openapi_schema(tmp_path, token, chunks):
+    store = tiered(tmp_path)
+    with store, serving(store, token) as (server, api):
+        schema = api.openapi()
+        raw = _raw_client(server.url)
+        auth = {"authorization": f"Bearer {token}"}
+        api.put("k0", chunks[0], tokens=64)
+        calls = [
+            ("GET", "/v1/health", {}), ("GET", "/v1/stats", {}), ("GET", "/v1/entries", {}),
+            ("GET", "/v1/entry", {"params": {"key": "k0"}}), ("GET", "/v1/entry", {"params": {"key": "nope"}}),
+            ("GET", "/v1/entry/value", {"params": {"key": "nope"}}),
+            ("PUT", "/v1/entry/value", {"params": {"key": "k1", "tokens": 3}, "content": chunks[1]}),
+            ("POST", "/v1/lookup", {"json": {"tokens": list(range(100)), "model": "m", "chunk_tokens": 16}}),
+            ("POST", "/v1/lookup", {"json": {"tokens": "not a list"}}),
+            ("POST", "/v1/pin", {"json": {"keys": ["k0", "nope"]}}), ("POST", "/v1/unpin", {"json": {"keys": ["k0"]}}),
+            ("POST", "/v1/touch", {"json": {"keys": ["k0"]}}), ("POST", "/v1/offload", {"json": {"keys": ["k0"], "to": "file"}}),
+            ("POST", "/v1/prefetch", {"json": {"keys": ["k0"], "wait": True}}),
+            ("POST", "/v1/hint", {"json": {"keys": ["k0"], "returns_in_s": 5}}),
+            ("POST", "/v1/evict", {"json": {"keys": ["k1"]}}), ("POST", "/v1/evict", {"json": {}}),
+        ]
+        checked = set()
+        for method, path, request in calls:
+            response = raw.request(method, path, headers=auth, **request)
+            operation = schema["paths"][path][method.lower()]
+            declared = operation["responses"][str(response.status_code)]["content"]["application/json"]["schema"]
+            jsonschema.validate(response.json(), {**declared, "components": schema["components"]})
+            checked.add((response.status_code >= 400, path, method))
+        assert {(path, method) for error, path, method in checked if not error} == ENDPOINTS - {
+            ("/metrics", "GET"), ("/v1/entry/value", "GET"), ("/v1/events", "GET")}  # not JSON: checked above
+        assert {error for error, _, _ in checked} == {True, False}
