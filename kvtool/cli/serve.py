@@ -47,8 +47,8 @@ def serve(
 ):
     """Serve the hot/cold scheduling API (pin, prefetch, offload, evict, hint, lookup, events, metrics) over a store.
 
-    Every call but /v1/health and /metrics needs the bearer token. Stops on Ctrl-C or SIGTERM;
-    entries in memory then move to the store's persistent tier.
+    Every call but /v1/health, /metrics and /openapi.json needs the bearer token. Stops on Ctrl-C
+    or SIGTERM; entries in memory then move to the store's persistent tier. docs/API.md has the details.
     """
     try:
         from kvtool.server.app import Limits

@@ -68,6 +68,7 @@ def start_in_vllm(store: Store, options: Mapping[str, Any], settings: Any, namer
         limits=limits,
         lookup_defaults=defaults,
         block_hasher=hasher,
+        log_level=None,
     ).start()
     log.info("kvtool API on %s over the connector's store %s", server.url, store.describe())
     return server

@@ -56,7 +56,8 @@ class ApiServer:
 
     ``allow_remote`` is required to listen on an address that is not
     loopback; without ``tls_cert``/``tls_key`` that logs a warning, since the
-    token then crosses the network in clear.
+    token then crosses the network in clear. ``log_level`` sets uvicorn's
+    loggers' level (None: leave them as the process has them).
     """
 
     def __init__(
@@ -71,7 +72,7 @@ class ApiServer:
         limits: Limits = Limits(),
         lookup_defaults: dict[str, Any] | None = None,
         block_hasher: BlockHasher | None = None,
-        log_level: str = "warning",
+        log_level: str | None = "warning",
     ) -> None:
         self.address = listen if isinstance(listen, ListenAddress) else ListenAddress.parse(listen)
         if (tls_cert is None) != (tls_key is None):
@@ -88,8 +89,10 @@ class ApiServer:
                             "clear; use --tls-cert/--tls-key or a TLS proxy", self.address.url())
         self.api = create_app(store, token, limits, lookup_defaults, block_hasher)
         self._socket = self.address.bind()
+        # log_config=None: uvicorn leaves the process's logging alone (inside vLLM, vLLM's own uvicorn
+        # logs); a log_level of None leaves its loggers' levels alone too.
         config = uvicorn.Config(
-            self.api, log_level=log_level, access_log=False, lifespan="off", server_header=False,
+            self.api, log_config=None, log_level=log_level, access_log=False, lifespan="off", server_header=False,
             timeout_graceful_shutdown=5, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
         )
         self._server = _Uvicorn(config, self.api)
