@@ -118,6 +118,11 @@ class KvtoolConnector(KVConnectorBase_V1):
         self._totals_logged = False
         self._store_sampled = 0.0
         self._log_totals_on_signals()
+        self._api = None
+        if self._settings.api is not None and role == KVConnectorRole.SCHEDULER:
+            from kvtool.server.embedded import start_in_vllm
+
+            self._api = start_in_vllm(self._store, self._settings.api, self._settings, self._namer, vllm_config)
         # scheduler side
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, list[LoadJob]] = {}
@@ -348,6 +353,8 @@ class KvtoolConnector(KVConnectorBase_V1):
         if self._released:
             return
         self._released = True
+        if self._api is not None:
+            self._api.stop()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
         data = self._stats.take()
