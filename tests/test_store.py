@@ -78,6 +78,15 @@ class TestTieredStore(StoreTests):
             yield store
 
 
+class TestTieredStoreWritingBehind(StoreTests):
+    """The same with write-behind: copies to the file tier in the background never change what a caller sees."""
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        with TieredStore([MemoryStore(capacity=16 * KIB), FileStore(tmp_path / "store")], write_behind=4) as store:
+            yield store
+
+
 # --- the file store ----------------------------------------------------------
 
 
@@ -316,14 +325,11 @@ def _record_size(key: str = "k0", size: int = 1000, meta: dict | None = None) ->
     return len(wrap(key, b"\0" * size, meta or {}).record)
 
 
-def _tiered(tmp_path, top: int = 2, middle: int = 2, write_behind: int = 0, **kwargs) -> TieredStore:
-    """Memory over file, each holding ``top``/``middle`` entries of 1000 bytes (keys and metadata short).
-
-    Without write-behind unless asked, so that every move is one the test makes.
-    """
+def _tiered(tmp_path, top: int = 2, middle: int = 2, **kwargs) -> TieredStore:
+    """Memory over file, each holding ``top``/``middle`` entries of 1000 bytes (keys and metadata short)."""
     size = _record_size(key="k" * 8) + 40
     tiers = [MemoryStore(capacity=top * size), FileStore(tmp_path / "file", capacity=middle * size)]
-    return TieredStore(tiers, write_behind=write_behind, **kwargs)
+    return TieredStore(tiers, **kwargs)
 
 
 @pytest.fixture
@@ -339,11 +345,11 @@ def test_full_top_demotes_and_shared_bottom_evicts_by_itself(tmp_path, events):
         assert [(e.kind, e.key, e.tier, e.reason) for e in events if e.kind != "stored"] == [
             ("demoted", "k0", "file", "memory full"),
             ("demoted", "k1", "file", "memory full"),
-            ("demoted", "k2", "file", "memory full"),  # the file tier made room itself: k0 left, least recently used
+            ("evicted", "k0", "file", "file full"),  # the file tier made room itself, least recently used first
+            ("demoted", "k2", "file", "memory full"),
         ]
         assert store.tiers[1].stats()["evictions"] == 1
         assert [store.tier_of(f"k{i}") for i in range(5)] == [None, "file", "file", "memory", "memory"]
-        assert (events[-1].kind, events[-1].key, events[-1].reason) == ("evicted", "k0", "gone from file")
         assert [store.tiers[1].get(f"k{i}") for i in (1, 2)] == [_value(1), _value(2)]
         assert [store.tiers[0].get(f"k{i}") for i in (3, 4)] == [_value(3), _value(4)]
 
@@ -862,3 +868,13 @@ def test_tier_profile_follows_measurements():
     assert profile.bandwidth == pytest.approx(1e8, rel=0.01)
     assert profile.restore_seconds(50_000_000) == pytest.approx(0.51, rel=0.02)
     assert json.loads(json.dumps(profile.to_dict()))["samples"] == 100
+
+
+def test_entries_another_process_evicts_are_forgotten(tmp_path, events):
+    with _tiered(tmp_path, top=1) as store, FileStore(tmp_path / "file") as other_process:
+        store.subscribe(events.append)
+        store.put("a", _value(1))
+        store.put("b", _value(2))  # a: file
+        assert other_process.delete("a")
+        assert store.tier_of("a") is None and store.get("a") is None
+        assert (events[-1].kind, events[-1].key, events[-1].reason) == ("evicted", "a", "gone from file")

@@ -193,7 +193,7 @@ def test_a_damaged_or_missing_entry_is_reported_and_later_entries_are_not_used()
 
 def test_stats_report_each_tier_and_add_up(tmp_path):
     stats = StatsCollector()
-    with open_store(f"memory://?capacity=1MiB,file://{tmp_path}") as store:
+    with open_store(f"memory://?capacity=1MiB,file://{tmp_path}", write_behind=4) as store:
         store.put("a", b"x" * 1000)
         store.flush()
         stats.sample_store(store)

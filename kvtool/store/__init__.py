@@ -37,10 +37,12 @@ registry: Registry[type[Store]] = Registry(
 )
 
 
-def open_store(url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False) -> Store:
+def open_store(
+    url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False, write_behind: int = 0
+) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
-    ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
+    ``policy``, ``promote`` and ``write_behind`` apply to a tiered store. Commas separate tiers,
     so a comma inside one URL (a password) must be written ``%2C``.
     ``read_only`` opens it for inspection: nothing on disk or in a server changes
     (``Store`` says what that means).
@@ -56,7 +58,10 @@ def open_store(url: str, policy: Policy | None = None, promote: bool = True, rea
         for tier in tiers:
             tier.close()
         raise
-    store = tiers[0] if len(tiers) == 1 and policy is None else TieredStore(tiers, policy=policy, promote=promote)
+    if len(tiers) == 1 and policy is None:
+        store = tiers[0]
+    else:
+        store = TieredStore(tiers, policy=policy, promote=promote, write_behind=write_behind)
     store.read_only = read_only
     return store
 

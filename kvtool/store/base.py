@@ -80,6 +80,8 @@ class Store(ABC):
         self.name = name or self.scheme or type(self).__name__
         self.metrics = StoreMetrics()
         self.read_only = False  # set by open_store(..., read_only=True) before first use
+        # Told of the entries a write of this store evicted by itself: (keys, reason). TieredStore listens.
+        self.on_evicted: Callable[[list[str], str], None] | None = None
         self._closed = False
 
     @classmethod
@@ -353,3 +355,5 @@ class Store(ABC):
             self.metrics.count("evictions", len(keys))
             log.info("%s: evicted %d entries (%d bytes) to stay within a capacity of %s bytes",
                      self.name, len(keys), freed, self.capacity)
+            if self.on_evicted is not None:
+                self.on_evicted(keys, f"{self.name} full")

@@ -6,8 +6,9 @@ that admits them and has room, instead of dropping them; the bottom tier
 evicts. A hit in a lower tier is promoted to the top (``promote=True``).
 Pinned entries are never demoted or evicted by this store.
 
-Write-behind: an entry put into a tier that dies with the process (memory) is
-also copied, in the background, to the first persistent tier below it that the
+Write-behind (``write_behind=N``, off by default; the vLLM connector turns it
+on): an entry put into a tier that dies with the process (memory) is also
+copied, in the background, to the first persistent tier below it that the
 policy admits (file, Redis), and stays where it was put. The queue holds at most
 ``write_behind`` entries; when it is full, ``put`` copies the entry itself before
 returning. So at any moment at most ``write_behind`` entries (plus the one being
@@ -21,9 +22,10 @@ Each entry lives in one tier, apart from its write-behind copy and ``shared``
 tiers (file, Redis): other processes rely on their entries, so promoting an
 entry out of one leaves its copy there. A shared tier evicts by itself, across
 every process's entries (its own least recently used order), so this store
-only demotes out of a shared tier when a lower tier can take the entry. Entries
-of non-shared tiers are indexed when the ``TieredStore`` opens; shared tiers
-are asked on demand.
+only demotes out of a shared tier when a lower tier can take the entry; the
+entries it knows that a tier evicts by itself are reported as ``evicted``
+events. Entries of non-shared tiers are indexed when the ``TieredStore`` opens;
+shared tiers are asked on demand.
 
 Hot/cold scheduling: ``offload(key, to)``, ``prefetch(keys)`` (a background
 thread pool; returns futures), ``pin``/``unpin``, ``evict``, ``touch``,
@@ -38,6 +40,7 @@ write-behind writes its copy outside it too (``Store.stage_entry``).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -52,7 +55,7 @@ from kvtool.store.base import Store, log
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, unwrap
 from kvtool.store.policy import LRUPolicy, Placement, Policy, TierProfile
 
-DEFAULT_WRITE_BEHIND = 64  # entries that may wait in memory for their persistent copy
+DEFAULT_WRITE_BEHIND = 64  # entries that may wait in memory for their persistent copy (the vLLM connector's)
 
 EVENT_KINDS = ("stored", "demoted", "promoted", "evicted", "failed")
 _READ_ATTEMPTS = 3  # a concurrent move can hide an entry from one read, not from three
@@ -80,7 +83,7 @@ class TieredStore(Store):
         *,
         save_on_close: bool = True,
         prefetch_workers: int = 4,
-        write_behind: int = DEFAULT_WRITE_BEHIND,
+        write_behind: int = 0,
         name: str | None = None,
     ) -> None:
         if not tiers:
@@ -106,6 +109,8 @@ class TieredStore(Store):
         self._pending: list[StoreEvent] = []
         self._event_counts: Counter[str] = Counter()
         self._write_behind = _WriteBehind(self, write_behind) if write_behind else None
+        for index, tier in enumerate(self.tiers):
+            tier.on_evicted = functools.partial(self._tier_evicted, index)
         self._index_tiers()
 
     def describe(self) -> str:
@@ -493,6 +498,18 @@ class TieredStore(Store):
                     self._event("failed", key, target, reason, placement.tier)
         self._flush_events()
         return written
+
+    def _tier_evicted(self, index: int, keys: list[str], reason: str) -> None:
+        """Tier ``index`` evicted ``keys`` by itself: drop them (or their write-behind copies) from the index."""
+        with self._lock:
+            for key in keys:
+                placement = self._placed.get(key)
+                if placement is not None and placement.tier == index:
+                    del self._placed[key]
+                    self._pinned.discard(key)
+                    self._event("evicted", key, index, reason)
+                elif placement is not None and placement.copy_in == index:
+                    placement.copy_in = None  # the entry itself is still above
 
     def _forget(self, placement: Placement, reason: str) -> None:
         """Drop an index entry whose record is no longer in its tier (another process or the tier removed it)."""

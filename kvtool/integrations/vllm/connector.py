@@ -138,7 +138,7 @@ class KvtoolConnector(KVConnectorBase_V1):
     def _open_store(self, executor: Any):
         """The store both sides use; a store with no tier other processes reach needs them in one process."""
         url = self._settings.store
-        store = shared_store.acquire(url)
+        store = shared_store.acquire(url, self._settings.write_behind)
         if executor != "uni" and not store.shared:
             shared_store.release(url)
             raise UsageError(

@@ -17,11 +17,12 @@ _lock = threading.Lock()
 _open: dict[str, tuple[Store, int]] = {}
 
 
-def acquire(url: str) -> Store:
+def acquire(url: str, write_behind: int = 0) -> Store:
+    """The process's store for ``url`` (opened on first use, with ``write_behind`` if tiered)."""
     with _lock:
         store, users = _open.get(url, (None, 0))
         if store is None:
-            store = open_store(url)
+            store = open_store(url, write_behind=write_behind)
         _open[url] = (store, users + 1)
         return store
 
