@@ -9,7 +9,15 @@ import pytest
 
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
-from kvtool.integrations.vllm.plan import EntryNamer, LoadJob, SaveJob, entries_to_save, find_stored_prefix, load_jobs
+from kvtool.integrations.vllm.plan import (
+    EntryNamer,
+    LoadJob,
+    SaveJob,
+    entries_to_save,
+    find_stored_prefix,
+    load_jobs,
+    usable_in,
+)
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
 from kvtool.store import open_store
@@ -51,6 +59,16 @@ def test_lookup_never_claims_an_entry_holding_other_than_its_tokens():
     keys = [NAMER.key(NAMER.entry_id(HASHES[start + n - 1], n), 0) for start, n in spans]
     held = {keys[0]: 8, keys[1]: 7, keys[2]: 8}  # the second entry's metadata says 7 tokens, not 2 blocks of 4
     assert spans_end(lookup(held)) == 2
+
+
+def test_a_store_entry_is_usable_only_with_the_tokens_its_span_holds():
+    spans = [(0, 2), (2, 2)]
+    keys = [NAMER.key(NAMER.entry_id(HASHES[start + n - 1], n), 0) for start, n in spans]
+    with open_store("memory://") as store:
+        store.put(keys[0], b"kv", {"tokens": 8})
+        store.put(keys[1], b"kv", {"tokens": 5})
+        assert usable_in(store)([(keys[0], 8), (keys[1], 8), ("absent", 8)]) == [True, False, False]
+        assert spans_end(find_stored_prefix(HASHES, 10, 2, NAMER, usable_in(store))) == 2
 
 
 def test_lookup_stays_within_the_usable_blocks():

@@ -48,6 +48,7 @@ from kvtool.integrations.vllm.plan import (
     entries_to_save,
     find_stored_prefix,
     load_jobs,
+    usable_in,
 )
 from kvtool.integrations.vllm.metrics import KvtoolConnectorStats, KvtoolPromMetrics
 from kvtool.integrations.vllm.settings import ConnectorSettings
@@ -162,7 +163,7 @@ class KvtoolConnector(KVConnectorBase_V1):
             return 0, False
         try:
             state.stored = find_stored_prefix(
-                hashes, (request.num_tokens - 1) // bs, self._per_entry, self._namer, self._usable
+                hashes, (request.num_tokens - 1) // bs, self._per_entry, self._namer, usable_in(self._store)
             )
         except Exception:
             log.exception("request %s: kvtool store lookup failed; computing the prompt", request.request_id)
@@ -177,18 +178,6 @@ class KvtoolConnector(KVConnectorBase_V1):
         log.debug("request %s: %d tokens found in the kvtool store (vLLM had %d)",
                   request.request_id, new_tokens, num_computed_tokens)
         return new_tokens, False
-
-    def _usable(self, wanted: list[tuple[str, int]]) -> list[bool]:
-        """Which ``(key, tokens)`` entries are stored and hold exactly that many tokens.
-
-        Only the index is read (no entry is fetched): an entry whose metadata
-        does not match is never claimed; a damaged value is found by the worker.
-        """
-        found = []
-        for key, tokens in wanted:
-            info = self._store.info(key)
-            found.append(info is not None and info.tokens == tokens)
-        return found
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from kvtool.store import Store
 
 _PERSON = b"kvtool/vllm/1"
 
@@ -121,6 +124,23 @@ def find_stored_prefix(
             break
         start = found.end
     return spans
+
+
+def usable_in(store: "Store") -> Callable[[list[tuple[str, int]]], list[bool]]:
+    """``is_usable`` for ``find_stored_prefix`` over ``store``: stored, and holding exactly the tokens expected.
+
+    Only the store's index is read (no entry is fetched): an entry whose
+    metadata does not match is never claimed; a damaged value is found when
+    it is read.
+    """
+    def usable(wanted: list[tuple[str, int]]) -> list[bool]:
+        found = []
+        for key, tokens in wanted:
+            info = store.info(key)
+            found.append(info is not None and info.tokens == tokens)
+        return found
+
+    return usable
 
 
 def load_jobs(

@@ -261,9 +261,9 @@ class Restore:
             failed_tokens += sum(len(p.job.block_ids) for p in items[len(ok):]) * self._layers.block_size
             tiers = ",".join(sorted({p.tier for p in ok if p.tier})) or "-"
             log.debug(
-                "request %s: restored %d tokens from %s (fetch %.1f ms, decode %.1f ms, copy %.1f ms; "
+                "request %s: restored %d tokens from %s in %.1f ms (fetch %.1f ms, decode %.1f ms, copy %.1f ms; "
                 "forward waited %.1f ms)%s",
-                rid, tokens, tiers, t.fetch * 1e3, t.decode * 1e3, t.copy * 1e3, t.blocked * 1e3,
+                rid, tokens, tiers, t.total * 1e3, t.fetch * 1e3, t.decode * 1e3, t.copy * 1e3, t.blocked * 1e3,
                 f"; {len(items) - len(ok)} entries failed, recomputing" if len(ok) < len(items) else "",
             )
         if self._stats is not None:
