@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -14,7 +16,8 @@ import pytest
 # `.venv-vllm/bin/python -m pytest tests/vllm_e2e`), which .ci/run runs separately.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_e2e"]
 
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples"
 
 
 def sample_paths() -> list[Path]:
@@ -84,3 +87,75 @@ def redis_server(tmp_path) -> RedisServer:
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+class RedisClusterProcesses:
+    """A throwaway Redis Cluster (3 masters, 3 replicas) started by scripts/redis-cluster.sh."""
+
+    SCRIPT = ROOT / "scripts" / "redis-cluster.sh"
+
+    def __init__(self, workdir: Path):
+        if shutil.which("redis-server") is None:
+            pytest.fail("redis-server is not installed; the Redis Cluster tests need it (Debian: apt-get install redis-server)")
+        self.dir = workdir
+        self.ports = _free_ports(6)
+        self.url = ""
+
+    def start(self) -> "RedisClusterProcesses":
+        done = subprocess.run(["bash", str(self.SCRIPT), "start", str(self.dir), str(self.ports[0])],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            pytest.fail(f"the Redis Cluster did not start: {done.stderr[-2000:]}")
+        self.url = done.stdout.split()[-1]
+        return self
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(self.SCRIPT), "stop", str(self.dir)], check=True, timeout=60)
+
+    def kill(self, port: int) -> None:
+        """End one node at once, as a crash would."""
+        pidfile = self.dir / f"redis-{port}.pid"
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        pidfile.unlink()
+
+    def info(self, port: int) -> dict[str, str]:
+        """``CLUSTER INFO`` of one node."""
+        import redis
+
+        with redis.Redis(port=port, socket_timeout=2, decode_responses=True) as client:
+            return {key: str(value) for key, value in client.cluster("INFO").items()}
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` consecutive free loopback ports whose cluster-bus ports (+10000) are free too."""
+    for _ in range(200):
+        first = random.randrange(20000, 55000 - n)
+        ports = list(range(first, first + n))
+        try:
+            for port in ports + [p + 10000 for p in ports]:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return ports
+    pytest.fail("no run of free loopback ports for a Redis Cluster")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory) -> str:
+    """A Redis Cluster for the tests: KVTOOL_TEST_REDIS_CLUSTER if set, else one started here."""
+    url = os.environ.get("KVTOOL_TEST_REDIS_CLUSTER")
+    if url:
+        yield url
+        return
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster.url
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path) -> RedisClusterProcesses:
+    """A Redis Cluster of this test's own, whose nodes the test may kill."""
+    cluster = RedisClusterProcesses(tmp_path).start()
+    yield cluster
+    cluster.stop()
