@@ -2,11 +2,11 @@
 # Start or stop a Redis Cluster of 6 redis-server processes on loopback: 3 masters, each
 # with one replica, for kvtool's cluster tier (redis+cluster://).
 #
-#   bash scripts/redis-cluster.sh start DIR [FIRST_PORT]   # prints the store URL
+#   bash scripts/redis-cluster.sh start DIR [FIRST_PORT|auto]   # prints the store URL
 #   bash scripts/redis-cluster.sh stop DIR
 #
-# The nodes listen on FIRST_PORT..FIRST_PORT+5 (default 7000; each also uses its port
-# + 10000 for the cluster bus), keep no data on disk, and write their logs, pid files and
+# The nodes listen on FIRST_PORT..FIRST_PORT+5 (default 7000; `auto` picks six free
+# ports; each node also uses its port + 10000 for the cluster bus), keep no data on disk, and write their logs, pid files and
 # cluster state into DIR. `start` waits until every node reports cluster_state:ok and
 # prints redis+cluster://127.0.0.1:PORT,... (also written to DIR/url). `stop` ends exactly
 # the processes named by DIR's pid files.
@@ -32,7 +32,8 @@ stop() {
 }
 
 start() {
-    local first=${1:-7000} timeout=${KVTOOL_CLUSTER_NODE_TIMEOUT:-2000} port pids=() nodes=()
+    local first=${1:-7000} timeout=${KVTOOL_CLUSTER_NODE_TIMEOUT:-2000} port nodes=()
+    [ "$first" = auto ] && first=$(free_ports)
     command -v redis-server >/dev/null || { echo "redis-server is not installed (Debian: apt-get install redis-server)" >&2; exit 1; }
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
@@ -62,6 +63,24 @@ start() {
     url="redis+cluster://$(IFS=,; echo "${nodes[*]}")"
     echo "$url" >"$dir/url"
     echo "$url"
+}
+
+# The first of six consecutive free loopback ports whose cluster-bus ports are free too.
+free_ports() {
+    python3 -c '
+import random, socket
+for _ in range(500):
+    first = random.randrange(20000, 45000)
+    try:
+        for port in [p + bus for p in range(first, first + 6) for bus in (0, 10000)]:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    print(first)
+    break
+else:
+    raise SystemExit("no six free loopback ports")'
 }
 
 # wait_for COMMAND PATTERN MESSAGE: run COMMAND until its output matches the extended

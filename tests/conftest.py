@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import shutil
 import signal
 import socket
@@ -98,15 +97,16 @@ class RedisClusterProcesses:
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not installed; the Redis Cluster tests need it (Debian: apt-get install redis-server)")
         self.dir = workdir
-        self.ports = _free_ports(6)
         self.url = ""
+        self.ports: list[int] = []
 
     def start(self) -> "RedisClusterProcesses":
-        done = subprocess.run(["bash", str(self.SCRIPT), "start", str(self.dir), str(self.ports[0])],
+        done = subprocess.run(["bash", str(self.SCRIPT), "start", str(self.dir), "auto"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             pytest.fail(f"the Redis Cluster did not start: {done.stderr[-2000:]}")
         self.url = done.stdout.split()[-1]
+        self.ports = [int(node.rpartition(":")[2]) for node in self.url.removeprefix("redis+cluster://").split(",")]
         return self
 
     def stop(self) -> None:
@@ -124,21 +124,6 @@ class RedisClusterProcesses:
 
         with redis.Redis(port=port, socket_timeout=2, decode_responses=True) as client:
             return {key: str(value) for key, value in client.cluster("INFO").items()}
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` consecutive free loopback ports whose cluster-bus ports (+10000) are free too."""
-    for _ in range(200):
-        first = random.randrange(20000, 55000 - n)
-        ports = list(range(first, first + n))
-        try:
-            for port in ports + [p + 10000 for p in ports]:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return ports
-    pytest.fail("no run of free loopback ports for a Redis Cluster")
 
 
 @pytest.fixture(scope="session")
