@@ -19,12 +19,18 @@ cores with the clients.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import multiprocessing as mp
+import queue
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +38,7 @@ import numpy as np
 
 from kvtool.cache import KVCache
 from kvtool.container import encode_cache
+from kvtool.errors import UsageError
 from kvtool.recipe import DEFAULT_RECIPE
 from kvtool.store import open_store
 
@@ -39,17 +46,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "code.safetensors"
 
 
-def client(url: str, me: int, clients: int, per_client: int, blob: bytes, barrier, results) -> None:
+def client(open_client, me: int, clients: int, per_client: int, blob: bytes, barrier, results) -> None:
     """Put this client's entries, wait for everyone, then read the entries of the next client."""
-    with open_store(url) as store:
-        store.contains("warm-up")  # connect (and learn the slot map) before the clock starts
-        barrier.wait()
-        puts = [_timed(lambda: store.put(f"c{me}-{i}", blob)) for i in range(per_client)]
-        barrier.wait()
-        other = (me + 1) % clients
-        gets = [_timed(lambda: store.get_entry(f"c{other}-{i}")) for i in range(per_client)]
-        barrier.wait()
-    results.put((puts, gets))
+    try:
+        with open_client() as store:
+            store.contains("warm-up")  # connect (and learn the slot map) before the clock starts
+            barrier.wait()
+            puts = [_timed(lambda: store.put(f"c{me}-{i}", blob)) for i in range(per_client)]
+            barrier.wait()
+            other = (me + 1) % clients
+            gets = [_timed(lambda: store.get_entry(f"c{other}-{i}")) for i in range(per_client)]
+            barrier.wait()
+        results.put((puts, gets))
+    except BaseException:
+        barrier.abort()  # the others stop waiting for this client
+        raise
 
 
 def _timed(call) -> float:
@@ -61,11 +72,20 @@ def _timed(call) -> float:
 
 def measure(url: str, clients: int, total_ops: int, blob: bytes) -> dict:
     per_client = max(1, total_ops // clients)
-    ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(clients + 1), ctx.Queue()
-    procs = [ctx.Process(target=client, args=(url, c, clients, per_client, blob, barrier, results)) for c in range(clients)]
-    for p in procs:
-        p.start()
+    if _one_process_at_a_time(url):
+        # Threads of one process share one store (the file tier at this version takes one process at a time).
+        shared = open_store(url)
+        barrier, results = threading.Barrier(clients + 1, timeout=600), queue.Queue()
+        workers = [threading.Thread(target=client, args=(lambda: contextlib.nullcontext(shared), c, clients,
+                                                          per_client, blob, barrier, results)) for c in range(clients)]
+    else:
+        ctx = mp.get_context("fork")
+        shared = None
+        barrier, results = ctx.Barrier(clients + 1, timeout=600), ctx.Queue()
+        workers = [ctx.Process(target=client, args=(functools.partial(open_store, url), c, clients, per_client,
+                                                     blob, barrier, results)) for c in range(clients)]
+    for worker in workers:
+        worker.start()
     barrier.wait()  # all connected
     start = time.perf_counter()
     barrier.wait()  # all puts done
@@ -73,11 +93,11 @@ def measure(url: str, clients: int, total_ops: int, blob: bytes) -> dict:
     start = time.perf_counter()
     barrier.wait()  # all gets done
     get_wall = time.perf_counter() - start
-    timings = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise SystemExit(f"a client failed (exit code {p.exitcode})")
+    timings = [results.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
+    if shared is not None:
+        shared.close()
     puts = [t for put, _ in timings for t in put]
     gets = [t for _, get in timings for t in get]
     moved = len(blob) * clients * per_client
@@ -86,6 +106,7 @@ def measure(url: str, clients: int, total_ops: int, blob: bytes) -> dict:
             store.delete(key)
     return {
         "clients": clients,
+        "each_a": "thread" if shared is not None else "process",
         "entries": clients * per_client,
         "put_GBps": round(moved / put_wall / 1e9, 3),
         "put_p50_ms": _ms(puts, 50),
@@ -94,6 +115,22 @@ def measure(url: str, clients: int, total_ops: int, blob: bytes) -> dict:
         "get_p50_ms": _ms(gets, 50),
         "get_p99_ms": _ms(gets, 99),
     }
+
+
+def _one_process_at_a_time(url: str) -> bool:
+    """Whether a second process cannot open this store while one has it open."""
+    with open_store(url):
+        probe = mp.get_context("fork").Process(target=_open_and_close, args=(url,))
+        probe.start()
+        probe.join()
+    return probe.exitcode != 0
+
+
+def _open_and_close(url: str) -> None:
+    try:
+        open_store(url).close()
+    except UsageError:
+        sys.exit(1)
 
 
 def _ms(seconds: list[float], q: int) -> float:
@@ -127,6 +164,7 @@ def main() -> None:
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe of the entry (default: {DEFAULT_RECIPE})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on the way out
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
 
