@@ -93,20 +93,22 @@ class RedisClusterProcesses:
 
     SCRIPT = ROOT / "scripts" / "redis-cluster.sh"
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, tls: bool = False):
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not installed; the Redis Cluster tests need it (Debian: apt-get install redis-server)")
         self.dir = workdir
+        self.tls = tls
         self.url = ""
         self.ports: list[int] = []
 
     def start(self) -> "RedisClusterProcesses":
-        done = subprocess.run(["bash", str(self.SCRIPT), "start", str(self.dir), "auto"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(["bash", str(self.SCRIPT), "start", str(self.dir), "auto"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "KVTOOL_CLUSTER_TLS": str(int(self.tls))})
         if done.returncode != 0:
             pytest.fail(f"the Redis Cluster did not start: {done.stderr[-2000:]}")
         self.url = done.stdout.split()[-1]
-        self.ports = [int(node.rpartition(":")[2]) for node in self.url.removeprefix("redis+cluster://").split(",")]
+        nodes = self.url.partition("://")[2].partition("?")[0]
+        self.ports = [int(node.rpartition(":")[2]) for node in nodes.split(",")]
         return self
 
     def stop(self) -> None:
@@ -142,5 +144,13 @@ def redis_cluster_url(tmp_path_factory) -> str:
 def redis_cluster(tmp_path) -> RedisClusterProcesses:
     """A Redis Cluster of this test's own, whose nodes the test may kill."""
     cluster = RedisClusterProcesses(tmp_path).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_tls(tmp_path) -> RedisClusterProcesses:
+    """A Redis Cluster that speaks only TLS, with a throwaway CA (its URL names the CA file)."""
+    cluster = RedisClusterProcesses(tmp_path, tls=True).start()
     yield cluster
     cluster.stop()

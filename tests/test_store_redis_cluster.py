@@ -164,6 +164,20 @@ def test_password_from_the_environment_and_never_shown(redis_cluster, monkeypatc
     assert "failed" in caplog.text and "wrong-pw" not in caplog.text
 
 
+def test_the_tls_form_over_a_cluster_that_speaks_only_tls(redis_cluster_tls, caplog):
+    assert redis_cluster_tls.url.startswith("rediss+cluster://")
+    value = b"over tls " * 100_000
+    with open_store(f"{redis_cluster_tls.url}&prefix=tls:") as store:
+        assert store.put_many({"a": value, "b": b"small"}) == [True, True]
+        assert store.get_many(["a", "b", "c"]) == [value, b"small", None]
+        assert sorted(store.keys()) == ["a", "b"]
+    plain = redis_cluster_tls.url.replace("rediss+cluster", "redis+cluster").partition("?")[0]
+    with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+        with open_store(f"{plain}?prefix=tls:") as store:
+            assert store.get("a") is None
+    assert "treated as a miss" in caplog.text
+
+
 def test_a_cluster_that_cannot_be_reached_is_a_logged_miss_with_a_breaker(caplog):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
