@@ -15,6 +15,7 @@ from kvtool.errors import UsageError
 from kvtool.store import TieredStore, open_store
 from kvtool.store.redis import PASSWORD_ENV
 from kvtool.store.redis_cluster import RedisClusterStore, parse_cluster_url
+from kvtool.store.url import split_urls
 from kvtool.testing import StoreTests
 
 
@@ -123,6 +124,18 @@ def test_a_cluster_url_is_one_tier_of_a_list(redis_cluster_url, prefix, tmp_path
 def test_bad_cluster_urls_are_usage_errors(url):
     with pytest.raises(UsageError):
         open_store(url)
+
+
+@pytest.mark.parametrize("text, urls", [
+    ("redis+cluster://a:1,b:2,c:3", ["redis+cluster://a:1,b:2,c:3"]),
+    ("memory://,redis+cluster://a:1,b:2/?ttl=5,file:///x", ["memory://", "redis+cluster://a:1,b:2/?ttl=5", "file:///x"]),
+    ("rediss+cluster://u:pw@a:1,[::1]:2?prefix=p", ["rediss+cluster://u:pw@a:1,[::1]:2?prefix=p"]),
+    ("redis://h:6379/0,b:2", ["redis://h:6379/0", "b:2"]),  # a database path ends the node list
+    ("file:///tmp/a,b:1", ["file:///tmp/a", "b:1"]),
+    ("memory://,,file:///x", ["memory://", "", "file:///x"]),
+])
+def test_a_cluster_node_list_stays_one_url_in_a_tier_list(text, urls):
+    assert split_urls(text) == urls
 
 
 def test_node_lists_with_passwords_and_ipv6():

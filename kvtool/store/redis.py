@@ -45,7 +45,7 @@ from kvtool.store.url import parse_options, positive_seconds, redact, split_quer
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
-TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs")  # passed to redis-py as they are
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs")  # passed to redis-py as they are
 _INFO_PREFIX = HEADER.size + MAX_KEY_BYTES + MAX_META_BYTES
 
 _CONSEQUENCE = {"get": "treated as a miss", "put": "not stored", "delete": "not deleted"}
@@ -137,8 +137,8 @@ class RedisStore(Store):
             "backoff": float,
             "prefix": str,
         }
-        options = parse_options(url, {**parsers, **{k: str for k in TLS_OPTIONS}})
-        tls = {k: options.pop(k) for k in TLS_OPTIONS if k in options}
+        options = parse_options(url, {**parsers, **{k: str for k in _TLS_OPTIONS}})
+        tls = {k: options.pop(k) for k in _TLS_OPTIONS if k in options}
         return cls(split_query(url)[0], tls=tls, **options)
 
     def describe(self) -> str:

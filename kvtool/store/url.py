@@ -36,16 +36,21 @@ _NODE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]+(/.*|\?.*)?", re
 def split_urls(text: str) -> list[str]:
     """The URLs of a comma-separated list, fastest tier first.
 
-    A part that is only ``host:port`` (no scheme) continues the URL before it:
-    the node list of ``redis+cluster://host:port,host:port``.
+    A part that is only ``host:port`` (no scheme) continues a URL that so far
+    names only hosts: the node list of ``redis+cluster://host:port,host:port/?...``.
     """
     urls: list[str] = []
     for part in (p.strip() for p in text.split(",")):
-        if urls and urls[-1] and _NODE.fullmatch(part):
+        if urls and _NODE.fullmatch(part) and _names_only_hosts(urls[-1]):
             urls[-1] += "," + part
         else:
             urls.append(part)
     return urls
+
+
+def _names_only_hosts(url: str) -> bool:
+    rest = url.partition("://")[2]
+    return bool(rest) and "/" not in rest and "?" not in rest
 
 
 def split_query(url: str) -> tuple[str, str]:
