@@ -27,15 +27,16 @@ def load(
     tokens: slice | None = None,
     pattern: str | None = None,
     model: ModelFacts | None = None,
+    threads: int | None = None,
 ) -> KVCache:
     """A cache from a .kvz or a safetensors file, reading only the layers and tokens asked for.
 
     ``pattern`` and ``model`` describe safetensors files written by other tools
-    (see ``KVCache.load``).
+    (see ``KVCache.load``); ``threads`` decode a .kvz (all cores by default).
     """
     if container.is_kvz(path):
         with container.open_kvz(path) as reader:
-            return reader.read(layers=layers, tokens=tokens)
+            return reader.read(layers=layers, tokens=tokens, threads=threads)
     return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
 
 
