@@ -16,7 +16,7 @@ from kvtool.integrations.vllm.plan import (
     entries_to_save,
     find_stored_prefix,
     load_jobs,
-    usable_in,
+    tokens_in,
 )
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
@@ -36,10 +36,9 @@ def stored_keys(namer, spans):
 
 
 def lookup(present, namer=NAMER, usable=10, per_entry=2, hashes=HASHES):
-    """``present``: stored keys, each holding the tokens its entry should (or a dict key -> tokens held)."""
-    held = present if isinstance(present, dict) else {k: None for k in present}
-    return find_stored_prefix(hashes, usable, per_entry, namer,
-                              lambda wanted: [k in held and held[k] in (None, t) for k, t in wanted])
+    """``present``: stored keys (a dict: key -> tokens it holds, checked against its entry's blocks)."""
+    held = (lambda keys: [present[k] for k in keys]) if isinstance(present, dict) else None
+    return find_stored_prefix(hashes, usable, per_entry, namer, lambda keys: [k in present for k in keys], held)
 
 
 def test_importing_the_plugin_imports_neither_vllm_nor_torch():
@@ -67,8 +66,8 @@ def test_a_store_entry_is_usable_only_with_the_tokens_its_span_holds():
     with open_store("memory://") as store:
         store.put(keys[0], b"kv", {"tokens": 8})
         store.put(keys[1], b"kv", {"tokens": 5})
-        assert usable_in(store)([(keys[0], 8), (keys[1], 8), ("absent", 8)]) == [True, False, False]
-        assert spans_end(find_stored_prefix(HASHES, 10, 2, NAMER, usable_in(store))) == 2
+        assert tokens_in(store)([keys[0], keys[1], "absent"]) == [8, 5, None]
+        assert spans_end(find_stored_prefix(HASHES, 10, 2, NAMER, store.contains_many, tokens_in(store))) == 2
 
 
 def test_lookup_stays_within_the_usable_blocks():

@@ -48,7 +48,7 @@ from kvtool.integrations.vllm.plan import (
     entries_to_save,
     find_stored_prefix,
     load_jobs,
-    usable_in,
+    tokens_in,
 )
 from kvtool.integrations.vllm.metrics import KvtoolConnectorStats, KvtoolPromMetrics
 from kvtool.integrations.vllm.settings import ConnectorSettings
@@ -163,7 +163,8 @@ class KvtoolConnector(KVConnectorBase_V1):
             return 0, False
         try:
             state.stored = find_stored_prefix(
-                hashes, (request.num_tokens - 1) // bs, self._per_entry, self._namer, usable_in(self._store)
+                hashes, (request.num_tokens - 1) // bs, self._per_entry, self._namer, self._store.contains_many,
+                tokens_in(self._store),
             )
         except Exception:
             log.exception("request %s: kvtool store lookup failed; computing the prompt", request.request_id)

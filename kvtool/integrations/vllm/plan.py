@@ -96,14 +96,17 @@ def find_stored_prefix(
     usable_blocks: int,
     blocks_per_entry: int,
     namer: EntryNamer,
-    is_usable: Callable[[list[tuple[str, int]]], list[bool]],
+    is_stored: Callable[[list[str]], list[bool]],
+    tokens_held: Callable[[list[str]], list[int | None]] | None = None,
 ) -> list[EntrySpan]:
     """The longest run of stored entries from the first block, within ``usable_blocks``.
 
     Entries start at multiples of ``blocks_per_entry``. Where the full-size
     entry is missing, a shorter one (a stored prompt's last entry) is tried,
-    longest first; it ends the run. ``is_usable`` answers for a list of
-    ``(key, tokens)``: is that key stored, holding that many tokens.
+    longest first; it ends the run. ``is_stored`` answers for a list of keys.
+    ``tokens_held`` (``tokens_in(store)``), if given, says how many tokens the
+    entry found holds: one that holds another count than its blocks is never
+    claimed, and ends the run.
     """
     usable = min(usable_blocks, len(block_hashes))
     spans: list[EntrySpan] = []
@@ -111,13 +114,16 @@ def find_stored_prefix(
     while start < usable:
         full = min(blocks_per_entry, usable - start)
         candidates = [EntrySpan(namer.entry_id(block_hashes[start + n - 1], n), start, n) for n in range(full, 0, -1)]
-        wanted = [(key, span.num_blocks * namer.block_size) for span in candidates for key in namer.keys(span.entry_id)]
-        present = is_usable(wanted)
+        keys = [key for span in candidates for key in namer.keys(span.entry_id)]
+        present = is_stored(keys)
         ranks = namer.tp_size
         found = next(
             (span for i, span in enumerate(candidates) if all(present[i * ranks:(i + 1) * ranks])), None
         )
         if found is None:
+            break
+        expected = found.num_blocks * namer.block_size
+        if tokens_held is not None and any(t != expected for t in tokens_held(namer.keys(found.entry_id))):
             break
         spans.append(found)
         if found.num_blocks < blocks_per_entry:
@@ -126,21 +132,18 @@ def find_stored_prefix(
     return spans
 
 
-def usable_in(store: "Store") -> Callable[[list[tuple[str, int]]], list[bool]]:
-    """``is_usable`` for ``find_stored_prefix`` over ``store``: stored, and holding exactly the tokens expected.
+def tokens_in(store: "Store") -> Callable[[list[str]], list[int | None]]:
+    """``tokens_held`` for ``find_stored_prefix``: the token count in each entry's metadata (None if absent).
 
-    Only the store's index is read (no entry is fetched): an entry whose
-    metadata does not match is never claimed; a damaged value is found when
-    it is read.
+    Only the store's index or headers are read, never a value: the scheduler
+    cheaply refuses an entry of the wrong size; a damaged value is found when
+    the worker reads it.
     """
-    def usable(wanted: list[tuple[str, int]]) -> list[bool]:
-        found = []
-        for key, tokens in wanted:
-            info = store.info(key)
-            found.append(info is not None and info.tokens == tokens)
-        return found
+    def held(keys: list[str]) -> list[int | None]:
+        infos = [store.info(key) for key in keys]
+        return [None if info is None else info.tokens for info in infos]
 
-    return usable
+    return held
 
 
 def load_jobs(
