@@ -185,6 +185,20 @@ def test_restore_writes_every_layer_of_the_saved_blocks(background):
     assert times.total >= times.fetch + times.decode > 0 and times.copy > 0
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_restore_skips_the_blocks_vllm_already_has(background):
+    source = layers_of([cpu_paged() + i for i in range(2)])
+    target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with open_store("memory://") as store:
+        save_entry(store, source, [2, 3])
+        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"req": [LoadJob("e1", 2, 1, [5])]})
+        restore.start(background)
+        assert restore.finish() == set()
+    for i in range(2):
+        assert torch.equal(target_tensors[i][5], (cpu_paged() + i)[3])
+        assert not target_tensors[i][:5].any()
+
+
 def test_a_damaged_or_missing_entry_is_reported_and_later_entries_are_not_used():
     source = layers_of([cpu_paged()])
     target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16)]

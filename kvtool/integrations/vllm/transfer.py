@@ -32,7 +32,7 @@ from kvtool.cache import KVCache, ModelFacts
 from kvtool.container import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
 from kvtool.integrations.vllm.stats import StatsCollector
-from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, scatter_blocks
+from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.store import Store, TieredStore
 
@@ -82,8 +82,8 @@ class RestoreTimes:
     """
 
     fetch: float = 0.0  # reading entries from the store, checksums verified
-    decode: float = 0.0  # decompressing them into KV arrays
-    copy: float = 0.0  # writing the arrays into vLLM's paged blocks
+    decode: float = 0.0  # decompressing them (on a CPU cache straight into the paged blocks: copy included)
+    copy: float = 0.0  # writing decoded arrays into vLLM's paged blocks
     blocked: float = 0.0  # the forward pass waiting for a layer (overlap)
     total: float = 0.0
 
@@ -120,7 +120,10 @@ class Restore:
 
     # -- driving ------------------------------------------------------------------------
     def start(self, background: bool) -> None:
+        """Decode on a thread, layer by layer, while the forward pass runs (``background``); or now,
+        where a CPU cache lets each entry be decoded straight into its paged blocks."""
         self._started = time.perf_counter()
+        self._direct = not background and all(k.device.type == "cpu" for k in self._layers.keys)
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
             self._thread.start()
@@ -175,9 +178,13 @@ class Restore:
                 self._open(p)
             decoding = time.perf_counter()
             self.times.fetch = decoding - begin
-            for index in range(len(self._ready)):
-                self._decoded[index] = self._decode_layer(index)
-                self._ready[index].set()
+            if self._direct:
+                for p in self._pending:
+                    self._decode_into_pages(p)
+            else:
+                for index in range(len(self._ready)):
+                    self._decoded[index] = self._decode_layer(index)
+                    self._ready[index].set()
             self.times.decode = time.perf_counter() - decoding
         except BaseException:
             log.exception("kvtool restore failed; the affected blocks will be recomputed")
@@ -212,6 +219,25 @@ class Restore:
             self._fail(p, "entry does not fit this model's KV cache", "mismatch")
             return
         p.reader = reader
+
+    def _decode_into_pages(self, p: _Pending) -> None:
+        """Every layer of one entry from its stored chunks into the paged blocks, in one native pass per chunk."""
+        if p.reader is None or self._is_failed(p):
+            return
+        layers, bs = self._layers, self._layers.block_size
+        tokens = p.job.num_blocks * bs
+        skip = p.job.first_block * bs
+        ids = [0] * p.job.first_block + list(p.job.block_ids)  # the skipped blocks' rows are left out
+        try:
+            rows = np.stack([
+                row_offsets(view, ids, tokens, skip)
+                for k, v in zip(layers.keys, layers.values) for view in (k, v)
+            ])
+            p.reader.read_rows([storage_bytes(k) for k in layers.keys], rows, [i // 2 for i in range(2 * len(layers.keys))])
+        except KvtoolError as exc:
+            self._fail(p, str(exc), "decode_error")
+        finally:
+            p.reader.close()
 
     def _decode_layer(self, index: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         out = []
