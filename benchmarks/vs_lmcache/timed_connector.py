@@ -14,9 +14,13 @@ wall time and the CPU time of the thread that ran it (``time.thread_time``):
 - ``fetch``: the store's raw read of an entry's record;
 - ``unwrap``: the rest of ``get_entry`` (record checks and checksum, the Entry);
 - ``open``: ``KvzReader.from_bytes`` (header and index checks);
-- ``decode``: ``KvzReader.read`` of one layer's tokens (chunk checksums, codec);
+- ``decode_pages``: ``KvzReader.read_rows``, the CPU cache's restore: every layer of an
+  entry decoded straight into its paged blocks (chunk checksums, codec and copy in one);
+- ``decode``: ``KvzReader.read`` of one layer's tokens (chunk checksums, codec): the
+  layer-by-layer restore, or inside ``decode_pages`` for a recipe the native core
+  does not batch;
 - ``to_torch``: ``from_numpy`` (the decoded array as a torch tensor, copy if read-only);
-- ``copy``: ``scatter_blocks`` (into vLLM's paged blocks);
+- ``copy``: ``scatter_blocks`` (into vLLM's paged blocks, layer-by-layer restore);
 - ``restore``: the whole of ``start_load_kv`` (all the above for a step, plus bookkeeping);
 - ``capture``: ``save_kv_layer`` (``gather_blocks`` of finished prompt blocks);
 - ``encode``: ``encode_cache`` on the save thread; ``put``: the store's ``put``.
@@ -94,6 +98,7 @@ transfer.gather_blocks = _timed("capture_gather", transfer.gather_blocks)
 transfer.from_numpy = _timed("to_torch", transfer.from_numpy)
 transfer.encode_cache = _timed("encode", transfer.encode_cache)
 container.KvzReader.read = _timed("decode", container.KvzReader.read)
+container.KvzReader.read_rows = _timed("decode_pages", container.KvzReader.read_rows)
 _from_bytes = container.KvzReader.from_bytes.__func__
 container.KvzReader.from_bytes = classmethod(_timed("open", _from_bytes))
 
