@@ -326,7 +326,8 @@ def tokenizer_data(model: Path) -> tuple[int, list[int], list[list[int]]]:
 async def main_async(args: argparse.Namespace) -> None:
     vocab, pool, messages = tokenizer_data(args.model)
     results: dict[str, Any] = {"settings": {k: shown(v) for k, v in vars(args).items()},
-                               "kv_bytes_per_token": kv_bytes_per_token(args.model), "runs": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+                               "kv_bytes_per_token": kv_bytes_per_token(args.model), "runs": [],
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     order = configs(args)
     workdir = Path(tempfile.mkdtemp(prefix="vs-lmcache-"))
     print(f"logs in {workdir}", file=sys.stderr)
