@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvtool against LMCache on the same vLLM (CPU build), SmolLM2-135M, the same prompts:
-# the table and the plot in BENCHMARKS.md ("Head to head with LMCache").
+# the table and the plot in BENCHMARKS.md ("kvtool vs LMCache on the same vLLM").
 #   bash benchmarks/vs_lmcache/run.sh [bench.py options...]      (about 90 minutes on 2 cores)
 # Builds what is missing: .venv-vllm (scripts/vllm-env.sh), .venv-lmcache (lmcache-env.sh
 # beside this file), out/smollm2-135m (kvtool convert-model). VLLM_PY / LMCACHE_PY point at
