@@ -42,6 +42,18 @@ def _open(url: Optional[str]) -> Store:
     return open_store(url or default_store_url())
 
 
+def _open_to_report(url: Optional[str]) -> Store:
+    """A store whose every tier answers, for commands that report contents: a tier that is down is an error, not empty."""
+    store = _open(url)
+    try:
+        for tier in store.tiers if isinstance(store, TieredStore) else [store]:
+            tier.check_reachable()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 @store_app.command("put")
 def put(
     key: str = typer.Argument(..., help="Key to store the value under."),
@@ -81,7 +93,7 @@ def get(
 @store_app.command("ls")
 def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
     """List the entries: key, tier, stored size and token count."""
-    with _open(store) as s:
+    with _open_to_report(store) as s:
         rows = []
         for key in s.keys():
             info = s.info(key)
@@ -99,7 +111,7 @@ def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
 @store_app.command("stats")
 def stats(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
     """What the store holds, per tier: entries, bytes, capacity."""
-    with _open(store) as s:
+    with _open_to_report(store) as s:
         data = s.stats()
     if json_out:
         print_json(data)

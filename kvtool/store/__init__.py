@@ -23,7 +23,7 @@ from kvtool.store.entry import Entry, EntryInfo
 from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
 from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
 from kvtool.store.tiered import StoreEvent, TieredStore
-from kvtool.store.url import redact, scheme_of
+from kvtool.store.url import redact, scheme_of, split_urls
 
 registry: Registry[type[Store]] = Registry(
     "store",
@@ -40,11 +40,12 @@ registry: Registry[type[Store]] = Registry(
 def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
-    ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
-    so a comma inside one URL (a password) must be written ``%2C``.
+    ``policy`` and ``promote`` apply to a tiered store. A comma followed by
+    ``scheme://`` starts the next tier; any other comma (in a password, say)
+    belongs to its URL.
     """
-    urls = [part.strip() for part in url.split(",")]
-    if not all(urls):
+    urls = split_urls(url)
+    if not all(urls) or any(u.endswith(",") for u in urls):
         raise UsageError(f"empty tier in store URL list {redact(url)!r}")
     tiers: list[Store] = []
     try:

@@ -74,10 +74,13 @@ class Entry(EntryInfo):
 
 
 def check_key(key: str) -> bytes:
-    """The UTF-8 bytes of a valid key; a key is 1..1024 bytes with no control characters."""
+    """The UTF-8 bytes of a valid key; a key is 1..1024 bytes of valid Unicode with no control characters."""
     if not isinstance(key, str):
         raise UsageError(f"a store key is a string, not {type(key).__name__}")
-    raw = key.encode("utf-8", "surrogatepass")
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 form, so it could never be read back
+        raise UsageError(f"invalid store key {key[:80]!r}: not valid Unicode (it holds a lone surrogate)") from None
     if not 0 < len(raw) <= MAX_KEY_BYTES or any(ord(c) < 32 or ord(c) == 127 for c in key):
         raise UsageError(f"invalid store key {key[:80]!r}: 1 to {MAX_KEY_BYTES} bytes, no control characters")
     return raw

@@ -29,10 +29,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtool.errors import UsageError
+from kvtool.errors import StoreUnreachableError, UsageError
 from kvtool.store.base import Store, log
 from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, parse_info
-from kvtool.store.url import parse_options, positive_seconds, redact, split_query
+from kvtool.store.url import has_password, parse_options, positive_seconds, redact, split_query
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
@@ -72,7 +72,7 @@ class RedisStore(Store):
         self.ttl = ttl
         self.prefix = prefix
         self.backoff = backoff
-        password = os.environ.get(PASSWORD_ENV) if self._base == base else None
+        password = None if has_password(base) else os.environ.get(PASSWORD_ENV)
         try:
             self._client = redis.Redis.from_url(
                 base,
@@ -83,7 +83,7 @@ class RedisStore(Store):
                 **(tls or {}),
             )
         except ValueError as exc:
-            raise UsageError(f"bad redis URL {self._base!r}: {exc}") from None
+            raise UsageError(f"bad redis URL {self._base!r}{self._detail(exc)}") from None
         self._down_until = 0.0
         self._state_lock = threading.Lock()
 
@@ -107,6 +107,12 @@ class RedisStore(Store):
         }
         query = "&".join(f"{k}={v}" for k, v in options.items() if v is not None)
         return self._base + ("?" + query if query else "")
+
+    def check_reachable(self) -> None:
+        try:
+            self._client.ping()
+        except (redis.RedisError, OSError) as exc:
+            raise StoreUnreachableError(f"cannot reach the redis store {self._base}{self._detail(exc)}") from None
 
     # --- hooks ----------------------------------------------------------------
 
@@ -148,6 +154,10 @@ class RedisStore(Store):
         self._client.close()
 
     # --- helpers --------------------------------------------------------------
+
+    def _detail(self, exc: Exception) -> str:
+        """redis-py's reason for a failure; only its type where the URL holds credentials it might quote."""
+        return f" ({type(exc).__name__})" if "@" in self._base else f": {type(exc).__name__}: {exc}"
 
     def _k(self, key: str) -> bytes:
         return (self.prefix + key).encode()

@@ -8,21 +8,60 @@ from __future__ import annotations
 
 import re
 from typing import Any, Callable
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlsplit
 
 from kvtool.errors import UsageError
 
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/?#]*):(?P<password>[^@/?#]*)@")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+#: A comma that starts another URL; a comma inside a password does not.
+_LIST_SEPARATOR = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 def redact(url: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host``; other URLs unchanged."""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url.strip())
+    """A store URL, or a comma-separated list of them, safe to show: credentials become ``***``.
+
+    ``redis://user:secret@host/0`` -> ``redis://user:***@host/0``; a user name
+    alone (``redis://secret@host``) is hidden too, since it may be a password.
+    A password may hold any character, plainly or percent-encoded, so the
+    credentials are everything from ``scheme://`` to the *last* ``@``: that is
+    where ``urllib.parse`` ends them as well, but it first cuts the URL at
+    ``/``, ``?`` and ``#``, which a plainly written password may contain (a
+    path holding ``@`` is hidden up to it as well). Text that is not a URL is
+    shown only when it has no ``@``; a URL that ``urllib.parse`` cannot parse
+    is never shown.
+    """
+    return ",".join(_redact_one(part) for part in split_urls(url))
+
+
+def _redact_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep or not _SCHEME.fullmatch(scheme):
+        return "<text with an '@', hidden>" if "@" in url else url
+    userinfo, at, location = rest.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}:***@{location}" if colon else f"***@{location}"
+    try:
+        urlsplit(f"{scheme}://{rest}")
+    except ValueError:
+        return f"{scheme}://<unparseable, hidden>"
+    return f"{scheme}://{rest}"
+
+
+def split_urls(text: str) -> list[str]:
+    """The URLs of a comma-separated list; a comma inside a password stays in its URL."""
+    return [part.strip() for part in _LIST_SEPARATOR.split(text)]
+
+
+def has_password(url: str) -> bool:
+    """Whether ``url`` carries a password (``user:password@`` or ``:password@``) by ``redact``'s reading."""
+    userinfo, at, _ = url.partition("://")[2].rpartition("@")
+    return bool(at) and ":" in userinfo
 
 
 def scheme_of(url: str) -> str:
     scheme, sep, _ = url.strip().partition("://")
-    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+    if not sep or not _SCHEME.fullmatch(scheme):
         raise UsageError(
             f"not a store URL: {redact(url)!r} (examples: memory://?capacity=2GiB, "
             "file:///var/cache/kvtool, redis://127.0.0.1:6379/0)"
@@ -31,9 +70,12 @@ def scheme_of(url: str) -> str:
 
 
 def split_query(url: str) -> tuple[str, str]:
-    """``(everything before '?', the query string)``."""
-    base, _, query = url.strip().partition("?")
-    return base, query
+    """``(everything before the query, the query string)``; the query starts at the first ``?``
+    after the credentials, since a password may hold a ``?`` too."""
+    url = url.strip()
+    credentials_end = url.rfind("@") + 1
+    base, _, query = url[credentials_end:].partition("?")
+    return url[:credentials_end] + base, query
 
 
 def parse_options(url: str, parsers: dict[str, Callable[[str], Any]]) -> dict[str, Any]:

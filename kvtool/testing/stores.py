@@ -137,7 +137,7 @@ class StoreTests:
         assert store.get_many(["x", "nope", "y"]) == [b"1", None, b"2"]
         assert store.contains_many(["x", "nope"]) == [True, False]
 
-    @pytest.mark.parametrize("key", ["", "line\nbreak", "nul\x00", "k" * 1025, 7, b"bytes"])
+    @pytest.mark.parametrize("key", ["", "line\nbreak", "nul\x00", "lone\ud800surrogate", "k" * 1025, 7, b"bytes"])
     def test_invalid_keys_are_refused(self, store: Store, key):
         with pytest.raises(UsageError):
             store.put(key, b"v")
