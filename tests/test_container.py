@@ -16,6 +16,7 @@ from kvtool.codecs import registry as codec_registry
 from kvtool.container import KvzCorruptError, KvzFormatError, decode_cache, encode_cache, open_kvz
 from kvtool.errors import DecodeError, UsageError
 from kvtool.recipe import Recipe
+from kvtool.testing import require_available
 
 RECIPES = [
     "none",
@@ -38,6 +39,7 @@ def small(samples) -> KVCache:
 
 @pytest.mark.parametrize("codec_id", sorted(codec_registry.ids()))
 def test_every_codec_round_trips_every_sample(samples, tmp_path, codec_id):
+    require_available(codec_id)
     for sample in samples:
         cache = KVCache.load(sample)
         path = tmp_path / f"{sample.stem}.kvz"
@@ -50,6 +52,7 @@ def test_every_codec_round_trips_every_sample(samples, tmp_path, codec_id):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("chunk_tokens", [16, 256])
 def test_recipes_round_trip(small, recipe, chunk_tokens):
+    require_available(recipe)
     blob = encode_cache(small, recipe, chunk_tokens=chunk_tokens, threads=2)
     decoded = decode_cache(blob)
     assert decoded.equal_bits(small)
