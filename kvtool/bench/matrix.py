@@ -136,14 +136,19 @@ def measure(
     gigabytes = cache.nbytes / 1e9
     for n in sorted({1, threads}):
         wall, cpu = _best(lambda: write_cache(_CountingSink(), cache, recipe, chunk_tokens, threads=n), repeat)
-        result.compress_mbps[str(n)] = round(cache.nbytes / wall / 1e6, 1)
+        result.compress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.compress_cpu_s_per_gb = round(cpu / gigabytes, 3)
         wall, cpu = _best(lambda: _decode(blob, n), repeat)
-        result.decompress_mbps[str(n)] = round(cache.nbytes / wall / 1e6, 1)
+        result.decompress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.decompress_cpu_s_per_gb = round(cpu / gigabytes, 3)
     return result
+
+
+def _megabytes_per_second(nbytes: int, seconds: float) -> float:
+    """MB/s to three significant digits, so a slow run on a loaded machine reads 0.0412, not 0.0."""
+    return float(f"{nbytes / max(seconds, 1e-9) / 1e6:.3g}")
 
 
 def _ratios(original: dict, stored: dict) -> dict[str, float]:
