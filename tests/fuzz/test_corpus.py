@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MAX_SIZE, assert_bounded
+from limits import MAX_SIZE, assert_bounded, sandbox  # noqa: F401 - sandbox is a fixture
 from kvtool.container import DEFAULT_MAX_SIZE
 
 HERE = Path(__file__).parent

@@ -20,7 +20,7 @@ import zstandard
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import MAX_SIZE, assert_bounded
+from limits import MAX_SIZE, assert_bounded, sandbox  # noqa: F401 - sandbox is a fixture
 from forge import Parts, Raw, assemble, dissect
 from sandbox import digest
 from kvtool.cache import KVCache

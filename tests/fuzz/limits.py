@@ -1,3 +1,8 @@
+"""The bar every case must clear, and the sandbox fixture the fuzz tests share.
+
+(Not a conftest.py: tests elsewhere import the top-level conftest by name.)
+"""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +17,7 @@ MEMORY = 256 << 20
 MAX_SIZE = 64 << 20
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
     box = Sandbox(memory=MEMORY)
     yield box
