@@ -6,10 +6,14 @@ must end in a kvtool ``DecodeError`` or in data, within the bar of
 ``conftest.py`` (2 s of CPU, 256 MB). Data must agree with the raw checksums
 the file records; where the forgery cannot have changed the data (the index,
 the trailer, a chunk's stored bytes), it must be the original cache bit for bit.
+
+Each property runs ``KVTOOL_FUZZ_EXAMPLES`` examples (default 60, enough for every
+CI run); set it higher for a deeper search.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
@@ -33,8 +37,9 @@ BASES = {recipe: encode_cache(CACHE, recipe, chunk_tokens=4, threads=1) for reci
 EXPECTED = digest(CACHE)
 U64 = (1 << 64) - 1
 
+EXAMPLES = int(os.environ.get("KVTOOL_FUZZ_EXAMPLES", "60"))
 SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 
 edge_ints = st.sampled_from(
@@ -186,7 +191,7 @@ def test_any_claimed_size(sandbox, tmp, heads, dim, tokens, chunk_tokens, layers
     read(sandbox, tmp, assemble(parts))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=max(1, EXAMPLES * 2 // 3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
     shape=st.tuples(st.integers(1, 3), st.integers(0, 20), st.integers(1, 16)),
