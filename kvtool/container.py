@@ -29,6 +29,8 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import xxhash
 
+from kvtool._native import JOB_DTYPE, JOB_STORED_RAW, xxh3_64
+from kvtool._native.batch import BatchCodec
 from kvtool.cache import AXES, KVCache, ModelFacts, dtype_of
 from kvtool.errors import DecodeError, KvtoolError, OutputTooLargeError, UsageError
 from kvtool.fileio import atomic_write, open_regular
@@ -68,6 +70,24 @@ INDEX_DTYPE = np.dtype(
     ]
 )
 assert INDEX_DTYPE.itemsize == 56
+
+
+#: The batch read path fetches chunks in runs of about this many stored bytes.
+READ_RUN = 4 << 20
+
+
+def _runs(jobs: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Split jobs sorted by offset into ``(lo, hi)`` runs of adjacent chunks of about ``limit`` bytes."""
+    runs, lo, size = [], 0, 0
+    for i in range(len(jobs)):
+        adjacent = i == lo or jobs["offset"][i] == jobs["offset"][i - 1] + jobs["stored_len"][i - 1]
+        if not adjacent or (size and size + int(jobs["stored_len"][i]) > limit):
+            runs.append((lo, i))
+            lo, size = i, 0
+        size += int(jobs["stored_len"][i])
+    if len(jobs):
+        runs.append((lo, len(jobs)))
+    return runs
 
 
 class KvzFormatError(DecodeError):
@@ -116,12 +136,26 @@ def write_cache(
     out.write(header)
     offset = PREAMBLE.size + len(header)
 
+    records: list[tuple] = []
+    batch = BatchCodec.for_recipe(recipe, cache.dtype.numpy)
+    if batch is not None:
+        offset = _write_tensors(out, tensors, batch, chunk_tokens, threads, offset, records, on_progress)
+    else:
+        offset = _write_blocks(out, tensors, recipe, chunk_tokens, threads, offset, records, on_progress)
+    index = np.array(records, dtype=INDEX_DTYPE).tobytes()
+    out.write(index)
+    fields = (offset, len(index), len(records), len(header), xxhash.xxh3_64_intdigest(header), xxhash.xxh3_64_intdigest(index))
+    out.write(TRAILER.pack(*fields, _trailer_hash(fields), END_MAGIC))
+    return offset + len(index) + TRAILER.size
+
+
+def _write_blocks(out, tensors, recipe: Recipe, chunk_tokens: int, threads, offset: int, records: list, on_progress) -> int:
+    """The per-chunk path: any recipe, one block at a time through its layouts and codecs."""
     blocks = (
         _Block(i, start, array[:, start : start + chunk_tokens])
         for i, (_, _, array) in enumerate(tensors)
         for start in range(0, array.shape[1], chunk_tokens)
     )
-    records = []
     for block, chunks in _map_bounded(lambda b: _encode_block(b, recipe), blocks, threads):
         for plane, (flags, raw_len, raw_hash, stored_hash, stored) in enumerate(chunks):
             out.write(stored)
@@ -132,26 +166,42 @@ def write_cache(
             offset += len(stored)
         if on_progress:
             on_progress(block.array.nbytes)
-    index = np.array(records, dtype=INDEX_DTYPE).tobytes()
-    out.write(index)
-    fields = (offset, len(index), len(records), len(header), xxhash.xxh3_64_intdigest(header), xxhash.xxh3_64_intdigest(index))
-    out.write(TRAILER.pack(*fields, _trailer_hash(fields), END_MAGIC))
-    return offset + len(index) + TRAILER.size
+    return offset
+
+
+def _write_tensors(out, tensors, batch: BatchCodec, chunk_tokens: int, threads, offset: int, records: list, on_progress) -> int:
+    """The batch path: each tensor's blocks cut and coded in one native call, tensors on a thread pool."""
+    jobs = ((i, array) for i, (_, _, array) in enumerate(tensors))
+    for (i, array), (blob, meta) in _map_bounded(lambda job: batch.encode_tensor(job[1], chunk_tokens), jobs, threads):
+        out.write(blob)
+        for k, m in enumerate(meta):
+            start = k * chunk_tokens
+            records.append(
+                (i, 0, int(m["flags"]) and FLAG_STORED_RAW, start, min(chunk_tokens, array.shape[1] - start), offset,
+                 int(m["stored_len"]), int(m["raw_len"]), int(m["stored_xxh3"]), int(m["raw_xxh3"]))
+            )
+            offset += int(m["stored_len"])
+        if on_progress:
+            on_progress(array.nbytes)
+    return offset
 
 
 def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, int, bytes | memoryview]]:
     """``(flags, raw length, raw hash, stored hash, stored bytes)`` for each plane of a block."""
     planes = recipe.layouts.forward([block.array])
-    specs = recipe.plan(PlaneSpec.of(block.array))
+    if recipe.array_codec is not None:
+        stored_planes = [recipe.array_codec.encode_array(planes[0])]
+    else:
+        specs = recipe.plan(PlaneSpec.of(block.array))
+        stored_planes = [recipe.codec_for(spec.name).encode(_plane_bytes(p)) for spec, p in zip(specs, planes)]
     out = []
-    for spec, plane in zip(specs, planes):
+    for plane, stored in zip(planes, stored_planes):
         raw = _plane_bytes(plane)
-        raw_hash = xxhash.xxh3_64_intdigest(raw)
-        stored = recipe.codec_for(spec.name).encode(raw)
+        raw_hash = xxh3_64(raw)
         if len(stored) >= len(raw):
             out.append((FLAG_STORED_RAW, len(raw), raw_hash, raw_hash, raw))
         else:
-            out.append((0, len(raw), raw_hash, xxhash.xxh3_64_intdigest(stored), stored))
+            out.append((0, len(raw), raw_hash, xxh3_64(stored), stored))
     return out
 
 
@@ -240,6 +290,7 @@ class _FileSource:
         self.size = os.fstat(self._f.fileno()).st_size
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._buffers = threading.local()
 
     def read(self, offset: int, length: int) -> bytes:
         data = os.pread(self._f.fileno(), length, offset)
@@ -248,6 +299,20 @@ class _FileSource:
         if len(data) != length:
             raise KvzCorruptError(f"file ends early: wanted {length} bytes at {offset}, got {len(data)}")
         return data
+
+    def read_run(self, offset: int, length: int) -> memoryview:
+        """Like ``read``, into a buffer this thread reuses (valid until its next ``read_run``):
+        a fresh buffer per run would cost a page fault per 4 KiB."""
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None or len(buf) < length:
+            buf = self._buffers.buf = bytearray(max(length, READ_RUN))
+        view = memoryview(buf)[:length]
+        got = os.preadv(self._f.fileno(), [view], offset)
+        with self._lock:
+            self.bytes_read += got
+        if got != length:
+            raise KvzCorruptError(f"file ends early: wanted {length} bytes at {offset}, got {got}")
+        return view
 
     def close(self) -> None:
         self._f.close()
@@ -262,6 +327,8 @@ class _BytesSource:
     def read(self, offset: int, length: int) -> memoryview:
         self.bytes_read += length
         return self._data[offset : offset + length]
+
+    read_run = read
 
     def close(self) -> None:
         self._data.release()
@@ -492,21 +559,30 @@ class KvzReader:
     # -- reading chunks ---------------------------------------------------------------------
     def _decode_block(self, tensor: int, start: int) -> np.ndarray:
         rows = self._rows[(tensor, start)]
-        specs = self.planes_for(int(self.index[rows[0]]["token_count"]))
+        tokens = int(self.index[rows[0]]["token_count"])
+        block_spec = PlaneSpec("data", (self._heads, tokens, self._dim), self.dtype.numpy)
+        specs = self.planes_for(tokens)
         planes = []
         for row, spec in zip(rows, specs):
             entry = self.index[row]
             stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
-            if xxhash.xxh3_64_intdigest(stored) != int(entry["stored_xxh3"]):
+            if xxh3_64(stored) != int(entry["stored_xxh3"]):
                 self._fail(KvzCorruptError, f"checksum mismatch in chunk {row} (layer {self.tensors[tensor][0]} {self.tensors[tensor][1]})")
             if entry["flags"] & FLAG_STORED_RAW:
-                raw = stored  # its checksum, just verified, is the raw checksum too
-            else:
-                raw = self.recipe.codec_for(spec.name).decode(stored, max_size=int(entry["raw_len"]))
-                if len(raw) != entry["raw_len"] or xxhash.xxh3_64_intdigest(raw) != int(entry["raw_xxh3"]):
-                    self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
-            planes.append(np.frombuffer(raw, dtype=spec.dtype).reshape(spec.shape))
-        block_spec = PlaneSpec("data", (self._heads, int(self.index[rows[0]]["token_count"]), self._dim), self.dtype.numpy)
+                planes.append(np.frombuffer(stored, dtype=spec.dtype).reshape(spec.shape))
+                continue  # its checksum, just verified, is the raw checksum too
+            try:
+                if self.recipe.array_codec is not None:
+                    plane = self.recipe.array_codec.decode_array(stored, spec.shape, spec.dtype)
+                    raw = plane.reshape(-1).view(np.uint8)
+                else:
+                    raw = self.recipe.codec_for(spec.name).decode(stored, max_size=int(entry["raw_len"]))
+                    plane = np.frombuffer(raw, dtype=spec.dtype).reshape(spec.shape) if len(raw) == spec.nbytes else None
+            except DecodeError as exc:
+                self._fail(KvzCorruptError, f"chunk {row} does not decode: {exc}")
+            if len(raw) != entry["raw_len"] or xxh3_64(raw) != int(entry["raw_xxh3"]):
+                self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
+            planes.append(plane)
         return self.recipe.layouts.inverse(planes, [block_spec])[0]
 
     def read(
@@ -516,7 +592,10 @@ class KvzReader:
         threads: int | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> KVCache:
-        """Decode the cache, or only ``layers`` (model layer ids) and a token range, reading only their chunks."""
+        """Decode the cache, or only ``layers`` (model layer ids) and a token range, reading only their chunks.
+
+        The tensors come back as views of one array, allocated once.
+        """
         self._check_read_size(layers, tokens)
         wanted = self.layer_ids if layers is None else list(layers)
         missing = [l for l in wanted if l not in self.layer_ids]
@@ -527,24 +606,71 @@ class KvzReader:
             raise UsageError("token ranges must be contiguous")
         stop = max(start, stop)
         positions = [2 * self.layer_ids.index(layer) + kv for layer in wanted for kv in (0, 1)]
-        tensors = [np.empty((self._heads, stop - start, self._dim), self.dtype.numpy) for _ in positions]
+        arena = np.empty((len(positions), self._heads if self.tensors else 0, stop - start, self._dim if self.tensors else 0), self.dtype.numpy)
         first = start - start % self.chunk_tokens
-        jobs = [(out, t, block) for out, t in zip(tensors, positions) for block in range(first, stop, self.chunk_tokens)]
+        blocks = [(out, t, block) for out, t in enumerate(positions) for block in range(first, stop, self.chunk_tokens)]
+        batch = BatchCodec.for_recipe(self.recipe, self.dtype.numpy)
+        if batch is not None:
+            self._read_batch(batch, blocks, arena, start, threads, on_progress)
+        else:
+            self._read_blocks(blocks, arena, start, stop, threads, on_progress)
+        tensors = list(arena)
+        return KVCache(
+            tensors[0::2], tensors[1::2], self.model, dict(self.provenance),
+            layer_ids=list(wanted), token_start=self.token_start + start,
+        )
+
+    def _chunk_name(self, row: int) -> str:
+        layer, kind, _ = self.tensors[int(self.index[row]["tensor"])]
+        return f"chunk {row} (layer {layer} {kind})"
+
+    def _read_blocks(self, blocks, arena: np.ndarray, start: int, stop: int, threads, on_progress) -> None:
+        """The per-chunk path: each block through the recipe's codecs and layouts, then copied into place."""
 
         def decode_into(job) -> int:
             out, t, block = job
             array = self._decode_block(t, block)
             lo, hi = max(start, block), min(stop, block + array.shape[1])
-            out[:, lo - start : hi - start] = array[:, lo - block : hi - block]
+            arena[out, :, lo - start : hi - start] = array[:, lo - block : hi - block]
             return array.nbytes
 
-        for _, nbytes in _map_bounded(decode_into, jobs, threads):
+        for _, nbytes in _map_bounded(decode_into, blocks, threads):
             if on_progress:
                 on_progress(nbytes)
-        return KVCache(
-            tensors[0::2], tensors[1::2], self.model, dict(self.provenance),
-            layer_ids=list(wanted), token_start=self.token_start + start,
-        )
+
+    def _read_batch(self, batch: BatchCodec, blocks, arena: np.ndarray, start: int, threads, on_progress) -> None:
+        """The batch path: chunks read in runs of about READ_RUN bytes, each run verified and decoded
+        straight into ``arena`` by one native call; runs on a thread pool."""
+        rows = np.array([self._rows[(t, block)][0] for _, t, block in blocks], dtype=np.int64)
+        if not len(rows):
+            return
+        entries = self.index[rows]
+        jobs = np.zeros(len(rows), JOB_DTYPE)
+        jobs["offset"] = entries["offset"]
+        jobs["stored_len"] = entries["stored_len"]
+        jobs["stored_xxh3"] = entries["stored_xxh3"]
+        jobs["out_index"] = [out for out, _, _ in blocks]
+        jobs["flags"] = np.where(entries["flags"] & FLAG_STORED_RAW, JOB_STORED_RAW, 0)
+        jobs["block_tokens"] = entries["token_count"]
+        jobs["block_start"] = entries["token_start"].astype(np.int64) - start
+        order = np.argsort(jobs["offset"], kind="stable")
+        jobs, rows = jobs[order], rows[order]
+
+        def decode_run(run: tuple[int, int]) -> int:
+            lo, hi = run
+            part = jobs[lo:hi].copy()
+            base = int(part["offset"][0])
+            part["offset"] -= base
+            data = self._source.read_run(base, int(part["offset"][-1] + part["stored_len"][-1]))
+            try:
+                batch.decode(data, part, arena, lambda i: self._chunk_name(int(rows[lo + i])))
+            except DecodeError as exc:
+                self._fail(KvzCorruptError, str(exc))
+            return int(part["block_tokens"].sum()) * self._heads * self._dim * self.dtype.itemsize
+
+        for _, nbytes in _map_bounded(decode_run, _runs(jobs, READ_RUN), threads):
+            if on_progress:
+                on_progress(nbytes)
 
     def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
         """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum."""

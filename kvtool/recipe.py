@@ -18,13 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool.codecs import Codec, codec_from_config, get_codec, registry as codec_registry
+import numpy as np
+
+from kvtool.codecs import ArrayCodec, Codec, codec_from_config, get_codec, registry as codec_registry
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
 from kvtool.layouts import registry as layout_registry
 from kvtool.layouts.base import PlaneSpec
 
-DEFAULT_RECIPE = "channel-major|byteplane|zstd:huff,lo=none"
+DEFAULT_RECIPE = "exphuff"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,17 @@ class Recipe:
             raise type(exc)(f"recipe {spec!r}: {exc}") from None
         return cls(layouts, codec, plane_codecs)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.codec, ArrayCodec) and self.plane_codecs:
+            raise UsageError(f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} codes the whole block; it takes no plane codecs")
+        if any(isinstance(c, ArrayCodec) for c in self.plane_codecs.values()):
+            raise UsageError(f"recipe {self.spec()!r}: an array codec cannot code a single plane")
+
+    @property
+    def array_codec(self) -> ArrayCodec | None:
+        """The codec, when it takes whole KV blocks: the layouts before it must leave one [heads, tokens, dim] plane."""
+        return self.codec if isinstance(self.codec, ArrayCodec) else None
+
     def spec(self) -> str:
         codec_stage = ",".join([self.codec.spec()] + [f"{p}={c.spec()}" for p, c in self.plane_codecs.items()])
         layouts = self.layouts.spec()
@@ -58,6 +71,14 @@ class Recipe:
     def plan(self, tensor: PlaneSpec) -> list[PlaneSpec]:
         """The planes this recipe cuts a tensor block into, checking per-plane codec names."""
         planes = self.layouts.plan([tensor])
+        if self.array_codec is not None:
+            if len(planes) != 1 or len(planes[0].shape) != 3:
+                raise UsageError(
+                    f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} takes one [heads, tokens, dim] block; "
+                    f"its layouts leave {[p.name for p in planes]}"
+                )
+            if not self.array_codec.supports(planes[0].dtype):
+                raise UsageError(f"recipe {self.spec()!r} cannot code {np.dtype(planes[0].dtype)} tensors; use e.g. 'byteplane|zstd:3'")
         unknown = set(self.plane_codecs) - {p.name for p in planes}
         if unknown:
             raise UsageError(
@@ -85,6 +106,12 @@ class Recipe:
             codec_from_config(config.get("codec")),
             {str(p): codec_from_config(c) for p, c in plane_codecs.items()},
         )
+
+
+def recipe_for(codec_id: str) -> str:
+    """The simplest recipe that exercises codec ``codec_id`` on a KV cache (byte planes for a bytes codec)."""
+    cls = codec_registry.get(codec_id)
+    return codec_id if issubclass(cls, ArrayCodec) else f"byteplane|{codec_id}"
 
 
 def _parse_codec_stage(stage: str, spec: str) -> tuple[Codec, dict[str, Codec]]:

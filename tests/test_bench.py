@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from kvtool.bench.bounds import LIMITS, entropy_limits
 from kvtool.bench.plot import pareto
+from kvtool.bench.peers import PEERS
 from kvtool.bench.recipes import BASELINES, best_recipe, everything, quick
 from kvtool.bench.report import CSV_COLUMNS
 from kvtool.cache import KVCache
@@ -26,8 +27,9 @@ runner = CliRunner()
 RECIPES = ["zstd:3", "channel-major|byteplane|zstd:1,lo=none", "channel-major|sx-split|rans:192,mant=none"]
 
 
-def bench(*args: str):
-    result = runner.invoke(app, ["bench", "--repeat", "1", "--threads", "2", *map(str, args)])
+def bench(*args: str, peers: bool = False):
+    peer_flag = "--peers" if peers else "--no-peers"
+    result = runner.invoke(app, ["bench", "--repeat", "1", "--threads", "2", peer_flag, *map(str, args)])
     assert result.exit_code == 0, result.output
     return result
 
@@ -72,7 +74,7 @@ def test_ratios_match_an_independent_encoding(report, small_sample):
 
 def test_report_shape(report):
     assert {"cpu", "cores"} <= set(report["machine"])
-    assert report["settings"] == {"threads": 2, "repeat": 1, "chunk_tokens": 256}
+    assert report["settings"] == {"threads": 2, "repeat": 1, "chunk_tokens": 256, "peers": False}
     (file,) = report["files"]
     assert file["dtype"] == "bf16" and file["tokens"] == 40 and file["layers"] == 3
     assert set(file["limits"]) == {"all", "k", "v"}
@@ -113,6 +115,18 @@ def test_limits_match_a_direct_computation(small_sample):
         }
         for name in LIMITS:
             assert got[kind][name] == pytest.approx(expected[name], abs=2e-4), (kind, name)
+
+
+def test_peers_run_on_the_same_blocks(small_sample):
+    """Other tools follow the recipes: memcpy stores as much as it is given, lz4 and zstd round-trip."""
+    (file,) = json.loads(bench(small_sample, "--json", "-r", "zstd:3", peers=True).stdout)["files"]
+    peers = {r["recipe"]: r for r in file["results"][1:]}
+    assert list(peers) == [f"peer: {p.name}" for p in PEERS]
+    assert peers["peer: memcpy"]["ratio"] == 1.0 and peers["peer: memcpy"]["stored_bytes"] == file["raw_bytes"]
+    for name in ("peer: lz4 frame", "peer: zstd:3 frame"):
+        assert peers[name]["status"] == "ok" and peers[name]["ratio"] > 1.0
+    for result in peers.values():
+        assert result["status"] == "ok" or "not installed" in result["reason"]
 
 
 def test_csv_has_one_row_per_file_and_recipe(small_sample):

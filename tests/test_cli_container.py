@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from kvtool.cache import KVCache
 from kvtool.cli import app
 from kvtool.codecs import registry as codec_registry
+from kvtool.recipe import recipe_for
 from kvtool.testing import require_available
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
@@ -28,10 +29,10 @@ def run(*args: str):
 
 @pytest.mark.parametrize("codec_id", sorted(codec_registry.ids()))
 def test_each_sample_round_trips_with_every_codec(samples, tmp_path, codec_id):
-    require_available(codec_id)
+    require_available(recipe_for(codec_id))
     for sample in samples:
         kvz, back = tmp_path / f"{sample.stem}.kvz", tmp_path / f"{sample.stem}.safetensors"
-        assert run("compress", sample, kvz, "--recipe", f"byteplane|{codec_id}").exit_code == 0
+        assert run("compress", sample, kvz, "--recipe", recipe_for(codec_id)).exit_code == 0
         result = run("verify", kvz, "--full", "--json")
         assert result.exit_code == 0 and json.loads(result.stdout)["ok"]
         assert run("decompress", kvz, back).exit_code == 0

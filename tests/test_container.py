@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvtool import container
 from kvtool.cache import KVCache
 from kvtool.codecs import registry as codec_registry
+from kvtool.recipe import recipe_for
 from kvtool.container import KvzCorruptError, KvzFormatError, decode_cache, encode_cache, open_kvz
 from kvtool.errors import DecodeError, UsageError
 from kvtool.recipe import Recipe
@@ -28,6 +29,8 @@ RECIPES = [
     "channel-major|xor-delta|byteplane|zlib:1",
     "byteplane|qat",
     "byteplane|isal:1",
+    "exphuff",
+    "token-major|exphuff",
 ]
 
 
@@ -39,11 +42,11 @@ def small(samples) -> KVCache:
 
 @pytest.mark.parametrize("codec_id", sorted(codec_registry.ids()))
 def test_every_codec_round_trips_every_sample(samples, tmp_path, codec_id):
-    require_available(codec_id)
+    require_available(recipe_for(codec_id))
     for sample in samples:
         cache = KVCache.load(sample)
         path = tmp_path / f"{sample.stem}.kvz"
-        container.save(cache, path, f"byteplane|{codec_id}")
+        container.save(cache, path, recipe_for(codec_id))
         with open_kvz(path) as reader:
             reader.verify(full=True)
             assert reader.read().equal_bits(cache)

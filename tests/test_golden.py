@@ -11,7 +11,7 @@ from kvtool.container import open_kvz
 from kvtool.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
-from make_golden import GOLDEN, HERE, golden_cache  # noqa: E402
+from make_golden import ARRAY_RECIPES, GOLDEN, HERE, golden_cache  # noqa: E402
 
 
 def test_every_golden_file_is_present():
@@ -24,3 +24,10 @@ def test_golden_file_decodes_bit_exactly(name):
         reader.verify(full=True)
         assert reader.recipe == Recipe.parse(GOLDEN[name])
         assert reader.read().equal_bits(golden_cache())
+
+
+def test_array_codec_golden_files_hold_coded_chunks():
+    """They pin the coded format, not the stored-raw fallback."""
+    for name in ARRAY_RECIPES:
+        with open_kvz(HERE / f"v1-{name}.kvz") as reader:
+            assert not any(reader.index["flags"]) and len(reader.index)

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvtool.bench import peers as peer_tools
 from kvtool.bench.bounds import entropy_limits
 from kvtool.cache import KVCache
 from kvtool.container import DEFAULT_CHUNK_TOKENS, KvzReader, encode_cache, write_cache
@@ -35,7 +36,7 @@ OK, UNAVAILABLE, NOT_APPLICABLE = "ok", "unavailable", "not applicable"
 
 @dataclass
 class Result:
-    recipe: str
+    recipe: str  # a recipe spec, or "peer: NAME" for another tool on the same blocks
     status: str
     reason: str = ""
     raw_bytes: int = 0
@@ -151,6 +152,29 @@ def _megabytes_per_second(nbytes: int, seconds: float) -> float:
     return float(f"{nbytes / max(seconds, 1e-9) / 1e6:.3g}")
 
 
+def measure_peer(cache: KVCache, peer: peer_tools.Peer, repeat: int, chunk_tokens: int) -> Result:
+    """Another tool on the cache's blocks, one thread: ratio, MB/s and CPU s/GB, checked to give the bytes back."""
+    name = f"peer: {peer.name}"
+    codec = peer_tools.build(peer, cache)
+    if isinstance(codec, str):
+        return Result(name, UNAVAILABLE if "not installed" in codec else NOT_APPLICABLE, codec)
+    compress, decompress = codec
+    blocks = peer_tools.blocks_of(cache, chunk_tokens)
+    stored = [compress(b) for b in blocks]
+    if any(bytes(decompress(s)) != b for s, b in zip(stored, blocks)):
+        raise KvtoolError(f"{name} did not give the bytes back")
+    size = sum(len(s) for s in stored)
+    gigabytes = cache.nbytes / 1e9
+    c_wall, c_cpu = _best(lambda: [compress(b) for b in blocks], repeat)
+    d_wall, d_cpu = _best(lambda: [decompress(s) for s in stored], repeat)
+    return Result(
+        name, OK, raw_bytes=cache.nbytes, stored_bytes=size, ratio=round(cache.nbytes / size, 4),
+        compress_mbps={"1": _megabytes_per_second(cache.nbytes, c_wall)},
+        decompress_mbps={"1": _megabytes_per_second(cache.nbytes, d_wall)},
+        compress_cpu_s_per_gb=round(c_cpu / gigabytes, 3), decompress_cpu_s_per_gb=round(d_cpu / gigabytes, 3),
+    )
+
+
 def _ratios(original: dict, stored: dict) -> dict[str, float]:
     """Original bytes over stored chunk bytes, per group (planes may be larger than the data they hold)."""
     return {str(key): round(original[key] / group["stored"], 4) for key, group in stored.items() if group["stored"]}
@@ -179,8 +203,10 @@ def run_bench(
     repeat: int = 3,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     on_step: Callable[[str], None] | None = None,
+    peers: bool = True,
 ) -> Report:
-    """Every recipe ``recipes(cache)`` names, on every cache file, with the cache's entropy limits."""
+    """Every recipe ``recipes(cache)`` names, on every cache file, with the cache's entropy limits,
+    and after them the other tools (``peers``) on the same blocks."""
     threads = threads or os.cpu_count() or 1
     files = []
     for path in paths:
@@ -190,11 +216,15 @@ def run_bench(
             results.append(measure(cache, spec, threads, repeat, chunk_tokens))
             if on_step:
                 on_step(f"{Path(path).name} {spec}")
+        for peer in peer_tools.PEERS if peers else ():
+            results.append(measure_peer(cache, peer, repeat, chunk_tokens))
+            if on_step:
+                on_step(f"{Path(path).name} {peer.name}")
         files.append(
             FileReport(
                 str(path), cache.dtype.name, cache.num_layers, cache.num_tokens,
                 list(cache.keys[0].shape) if cache.keys else [], cache.nbytes, entropy_limits(cache), results,
             )
         )
-    settings = {"threads": threads, "repeat": repeat, "chunk_tokens": chunk_tokens}
+    settings = {"threads": threads, "repeat": repeat, "chunk_tokens": chunk_tokens, "peers": peers}
     return Report(machine(), settings, files)

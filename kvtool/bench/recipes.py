@@ -17,8 +17,8 @@ from kvtool.layouts.base import PlaneSpec
 from kvtool.recipe import DEFAULT_RECIPE
 
 BASELINES = ("zstd:3", "lz4", "qat")
-#: The gzip family side by side (same wire format) and the previous default recipe.
-QUICK = ("zlib:1", "isal:1", "byteplane|zstd:1")
+#: The gzip family side by side (same wire format) and earlier default recipes.
+QUICK = ("zlib:1", "isal:1", "byteplane|zstd:1", "channel-major|byteplane|zstd:huff,lo=none")
 #: Per dtype, the fastest good split: tuned zstd on the exponents.
 SPLITS = {
     "bf16": "channel-major|bf16-split|zstd:huff,mant=none",

@@ -39,6 +39,7 @@ def bench(
     threads: int = typer.Option(0, "--threads", "-t", min=0, help="Threads for the multi-thread runs (0: one per core)."),
     repeat: int = typer.Option(3, "--repeat", "-n", min=1, help="Time each run this many times and keep the best."),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", min=1, help="Tokens per .kvz chunk."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure memcpy, lz4, zstd, Blosc2 and ZipNN on the same blocks."),
     json_out: bool = JSON_OPTION,
     csv_out: bool = typer.Option(False, "--csv", help="Print one CSV row per file and recipe on stdout."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Also draw the ratio/speed Pareto plot to this PNG."),
@@ -64,7 +65,7 @@ def bench(
             bar.set_postfix_str(label[-50:], refresh=False)
             bar.update()
 
-        report = run_bench(paths, choose, threads=threads or None, repeat=repeat, chunk_tokens=chunk_tokens, on_step=step)
+        report = run_bench(paths, choose, threads=threads or None, repeat=repeat, chunk_tokens=chunk_tokens, on_step=step, peers=peers)
 
     if plot_path:
         plot(report, plot_path)

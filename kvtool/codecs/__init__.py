@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtool.codecs.base import Availability, BufferLike, Codec
+from kvtool.codecs.base import ArrayCodec, Availability, BufferLike, Codec
 from kvtool.registry import Registry
 
 registry: Registry[type[Codec]] = Registry(
@@ -24,6 +24,7 @@ registry: Registry[type[Codec]] = Registry(
         "qat": "kvtool.codecs.qat:QatCodec",
         "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),
         "rans": ("kvtool.codecs.rans:RansCodec", "rans"),
+        "exphuff": "kvtool.codecs.exphuff:ExpHuffCodec",
     },
 )
 
@@ -50,4 +51,4 @@ def sniff_codec(head: bytes) -> Codec | None:
     return None
 
 
-__all__ = ["Availability", "BufferLike", "Codec", "codec_from_config", "get_codec", "registry", "sniff_codec"]
+__all__ = ["ArrayCodec", "Availability", "BufferLike", "Codec", "codec_from_config", "get_codec", "registry", "sniff_codec"]

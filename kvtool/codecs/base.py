@@ -77,3 +77,34 @@ class Codec(Component, abc.ABC):
             return int(arg)
         except ValueError:
             raise UsageError(f"codec {cls.codec_id!r}: {cls.spec_param} must be an integer, not {arg!r}") from None
+
+
+class ArrayCodec(Codec):
+    """A codec that takes a whole KV block ``[heads, tokens, dim]`` of a float dtype, not plain bytes.
+
+    It is the one array-to-bytes stage of a recipe (as in zarr v3): knowing the
+    dtype and the channels lets it split each float and model each channel,
+    which a bytes codec cannot. A recipe that ends with one has no layouts
+    before it. ``decode_array`` writes into a caller's array when given one.
+    Its chunks need not carry a checksum: the container verifies every chunk.
+    """
+
+    self_checking = False
+
+    @abc.abstractmethod
+    def encode_array(self, block: np.ndarray) -> bytes:
+        """Encode a block ``[heads, tokens, dim]`` (any strides)."""
+
+    @abc.abstractmethod
+    def decode_array(self, buf: BufferLike, shape: tuple[int, int, int], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode a block of ``shape`` and ``dtype``, into ``out`` when given; ``DecodeError`` on bad input."""
+
+    @abc.abstractmethod
+    def supports(self, dtype: np.dtype) -> bool:
+        """Whether blocks of ``dtype`` can be coded."""
+
+    def encode(self, buf: BufferLike) -> bytes:
+        raise UsageError(f"codec {self.codec_id!r} codes KV tensors, not plain bytes: use it as a recipe (--recipe {self.codec_id})")
+
+    def decode(self, buf: BufferLike, max_size: int) -> bytes:
+        raise UsageError(f"codec {self.codec_id!r} decodes KV tensors inside a .kvz file, not plain streams")

@@ -13,9 +13,10 @@ proves itself with the same tests kvtool runs on its own components::
 Importing this module needs pytest (the ``test`` extra).
 """
 
+from kvtool.testing.arraycodecs import ArrayCodecTests
 from kvtool.testing.codecs import CodecTests, require_available
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import LayoutTests
 from kvtool.testing.stores import BoundedStoreTests, StoreTests
 
-__all__ = ["BoundedStoreTests", "CodecTests", "LayoutTests", "StoreTests", "kv_like_bf16", "require_available"]
+__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "StoreTests", "kv_like_bf16", "require_available"]

@@ -9,7 +9,9 @@ index whose lengths wrap 64-bit arithmetic, chunks that decode to more than
 their plane, headers claiming gigabytes or a terabyte. Header, index and trailer
 checksums are valid, so each reaches the reader's checks of content.
 ``corpus.json`` names, for each file, what it is and the error a reader must
-end in; every file must end in that error within 2 s and 256 MB.
+end in; every file must end in that error within 2 s and 256 MB. A chunk that its
+codec refuses (garbage, or more bytes than its plane) is a ``KvzCorruptError``
+naming the chunk and the codec's reason.
 """
 
 from __future__ import annotations
@@ -202,12 +204,14 @@ CASES: dict[str, tuple[str, Callable[[], bytes], str]] = {
     # chunks that decode to more than they may
     "zstd-zeros-2x1GiB": ("one layer of 2 x 1 GiB of zeros, a valid file of 66 KB", claim([16, 32768, 1024], 32768, zstd_zeros), "OutputTooLargeError"),
     "claims-1TiB": ("K and V claim 1 TiB each in 8 GiB chunks of one byte", claim([8, 1 << 27, 512], 1 << 20, one_byte), "OutputTooLargeError"),
-    "zstd-frame-larger-than-plane": ("a zstd frame of 2 MiB in a 768-byte plane", payload_edit(0, lambda n: zstd_zeros(2 << 20)[0]), "OutputTooLargeError"),
-    "zstd-frame-hides-size": ("a zstd frame without its content size, of 64 MiB, in a 768-byte plane", payload_edit(0, lambda n: zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64 << 20))), "OutputTooLargeError"),
-    "lz4-frame-larger-than-plane": ("an lz4 frame of 8 MiB in a 768-byte plane", payload_edit(0, lambda n: lz4.frame.compress(bytes(8 << 20)), "byteplane|lz4"), "OutputTooLargeError"),
-    "zlib-bomb": ("a zlib stream of 16 MiB in a 768-byte plane", payload_edit(0, lambda n: zlib.compress(bytes(16 << 20), 9), "byteplane|zlib:6"), "OutputTooLargeError"),
+    "zstd-frame-larger-than-plane": ("a zstd frame of 2 MiB in a 768-byte plane", payload_edit(0, lambda n: zstd_zeros(2 << 20)[0]), "KvzCorruptError"),
+    "zstd-frame-hides-size": ("a zstd frame without its content size, of 64 MiB, in a 768-byte plane", payload_edit(0, lambda n: zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64 << 20))), "KvzCorruptError"),
+    "lz4-frame-larger-than-plane": ("an lz4 frame of 8 MiB in a 768-byte plane", payload_edit(0, lambda n: lz4.frame.compress(bytes(8 << 20)), "byteplane|lz4"), "KvzCorruptError"),
+    "zlib-bomb": ("a zlib stream of 16 MiB in a 768-byte plane", payload_edit(0, lambda n: zlib.compress(bytes(16 << 20), 9), "byteplane|zlib:6"), "KvzCorruptError"),
     "other-bytes-same-size": ("a chunk holding another valid frame of the right size", payload_edit(0, lambda n: zstandard.ZstdCompressor().compress(bytes(n))), "KvzCorruptError"),
-    "garbage-chunk": ("a chunk of garbage with a matching stored checksum", payload_edit(5, lambda n: bytes(range(256)) * 2), "DecodeError"),
+    "exphuff-garbage": ("an exphuff chunk of garbage for the native decoder", payload_edit(1, lambda n: bytes(range(256)) * 3, "exphuff"), "KvzCorruptError"),
+    "exphuff-zeros": ("an exphuff chunk of zeros, its plane's length", payload_edit(0, lambda n: bytes(n), "exphuff"), "KvzCorruptError"),
+    "garbage-chunk": ("a chunk of garbage with a matching stored checksum", payload_edit(5, lambda n: bytes(range(256)) * 2), "KvzCorruptError"),
 }
 
 

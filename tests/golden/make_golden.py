@@ -2,8 +2,9 @@
 
     python tests/golden/make_golden.py
 
-Each .kvz holds layers 0 and 29, tokens 0-11, of samples/code.safetensors in 4-token
-chunks: one file per codec (byteplane layout) and one per layout chain.
+Each file holds layers 0 and 29, tokens 0-11, of samples/code.safetensors: in 4-token
+chunks, one file per codec (byteplane layout) and one per layout chain; in one 12-token
+chunk per tensor, one file per array codec (a chunk that small would be stored raw).
 ``store-v1.json`` holds store entry records (version 1) and prefix keys
 (``kvtool/prefix/1``) for fixed inputs, byte for byte.
 """
@@ -25,7 +26,12 @@ LAYOUT_RECIPES = {
     "layout-xor-delta-bf16-split": "channel-major|xor-delta|bf16-split|zstd:1,mant=none",
     "layout-sx-split-rans": "channel-major|sx-split|rans:192,mant=none",
 }
-GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES}
+ARRAY_RECIPES = {"array-exphuff": "exphuff"}
+GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES}
+
+
+def chunk_tokens(name: str) -> int:
+    return 12 if name in ARRAY_RECIPES else 4
 
 
 def golden_cache() -> KVCache:
@@ -63,5 +69,5 @@ if __name__ == "__main__":
         path = HERE / f"v1-{name.replace(':', '')}.kvz"
         if path.exists():
             continue  # a golden file is written once; the tests read old files, not new ones
-        size = container.save(cache, path, recipe, chunk_tokens=4, threads=1)
+        size = container.save(cache, path, recipe, chunk_tokens=chunk_tokens(name), threads=1)
         print(f"{path.name}: {recipe}, {size} bytes")

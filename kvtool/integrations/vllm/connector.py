@@ -101,6 +101,11 @@ class KvtoolConnector(KVConnectorBase_V1):
             )
         self._store = self._open_store(parallel.distributed_executor_backend)
         self._released = False
+        self._api = None
+        if self._settings.api is not None and role == KVConnectorRole.SCHEDULER:
+            from kvtool.server.embedded import start_in_vllm
+
+            self._api = start_in_vllm(self._store, self._settings.api, self._settings, self._namer, vllm_config)
         # scheduler side
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, list[LoadJob]] = {}
@@ -282,6 +287,8 @@ class KvtoolConnector(KVConnectorBase_V1):
         if self._released:
             return
         self._released = True
+        if self._api is not None:
+            self._api.stop()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
         stats = self._store.stats()

@@ -20,13 +20,15 @@ class ConnectorSettings:
     different paths); ``overlap``: restore layer by layer while the model runs,
     or everything before the forward pass (default: overlap when the KV cache
     lives on an accelerator; on vLLM's CPU backend the decoding thread competes
-    with the model's own threads and measured slower)."""
+    with the model's own threads and measured slower); ``api``: serve kvtool's
+    HTTP API from this server over the live store (``kvtool.server.embedded``)."""
 
     store: str = DEFAULT_STORE
     recipe: str = DEFAULT_RECIPE
     chunk_tokens: int = 256
     model_id: str | None = None
     overlap: bool | None = None
+    api: dict | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":

@@ -1,0 +1,81 @@
+"""kvtool's native core: the C kernels of the hot path, and how to reach them.
+
+``core()`` is the compiled extension (``kvtool._native._core``, built by ``pip
+install`` through setuptools) or ``None`` where it was not built or is turned
+off with ``KVTOOL_NATIVE=0``; kvtool then runs the numpy reference of the same
+formats (``kvtool._native.reference``), which writes and reads the same bytes,
+slowly, and says so once in a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from types import ModuleType
+
+import numpy as np
+import xxhash
+
+#: One chunk for ``decode_blocks``; the C struct ``job`` in _core.c.
+JOB_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),
+        ("stored_len", "<u8"),
+        ("stored_xxh3", "<u8"),
+        ("out_index", "<u4"),
+        ("flags", "<u4"),
+        ("block_tokens", "<u4"),
+        ("reserved", "<u4"),
+        ("block_start", "<i8"),
+    ]
+)
+#: What ``encode_blocks`` reports per block; the C struct ``block_meta``.
+BLOCK_META_DTYPE = np.dtype(
+    [("stored_len", "<u8"), ("raw_len", "<u8"), ("stored_xxh3", "<u8"), ("raw_xxh3", "<u8"), ("flags", "<u8")]
+)
+JOB_STORED_RAW = 1
+
+#: dtype name -> the core's dtype code (enum kvn_dtype in kvn.h).
+DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
+
+_DISABLED = ("0", "false", "no", "off")
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ModuleType | None, str]:
+    if os.environ.get("KVTOOL_NATIVE", "").strip().lower() in _DISABLED:
+        return None, "turned off by KVTOOL_NATIVE=0"
+    try:
+        module = importlib.import_module("kvtool._native._core")
+    except ImportError as exc:
+        return None, f"not built ({exc}); reinstall kvtool with a C compiler present"
+    if module.JOB_SIZE != JOB_DTYPE.itemsize or module.BLOCK_META_SIZE != BLOCK_META_DTYPE.itemsize:
+        return None, "built from other sources than this kvtool; reinstall it"
+    return module, ""
+
+
+def core() -> ModuleType | None:
+    """The compiled core, or None (the reason is in ``status()``); warns once when it is missing."""
+    module, reason = _load()
+    if module is None and not reason.startswith("turned off"):
+        _warn_once(reason)
+    return module
+
+
+def status() -> str:
+    """How the hot path runs here, in words."""
+    module, reason = _load()
+    return "native (C)" if module is not None else f"numpy reference, slow: native core {reason}"
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"kvtool's native core is {reason}; using the slower numpy reference", RuntimeWarning, stacklevel=3)
+
+
+def xxh3_64(data) -> int:
+    """XXH3-64 of a buffer: the native one releases the GIL, so threads hash in parallel."""
+    module = core()
+    return module.xxh3_64(data) if module is not None else xxhash.xxh3_64_intdigest(data)

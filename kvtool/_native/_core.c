@@ -1,0 +1,287 @@
+/* Python bindings of kvtool's native core. Every entry point releases the GIL
+ * around its loops; buffers stay pinned by their Py_buffer meanwhile. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+
+#include "kvn.h"
+
+/* One chunk to decode: must match kvtool/_native/__init__.py's JOB_DTYPE. */
+typedef struct {
+    uint64_t offset;      /* in the source buffer */
+    uint64_t stored_len;
+    uint64_t stored_xxh3;
+    uint32_t out_index;   /* which [heads, tokens, dim] tensor of the output */
+    uint32_t flags;       /* JOB_STORED_RAW: the block's bytes as they are */
+    uint32_t block_tokens;
+    uint32_t reserved;
+    int64_t block_start;  /* output token of the block's first token; may be negative */
+} job;
+
+#define JOB_STORED_RAW 1u
+
+/* Per encoded block: must match BLOCK_META_DTYPE. */
+typedef struct {
+    uint64_t stored_len, raw_len, stored_xxh3, raw_xxh3, flags;
+} block_meta;
+
+static PyObject *error_status(int status) {
+    PyErr_Format(PyExc_ValueError, "native core status %d", status);
+    return NULL;
+}
+
+static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = kvn_xxh3_64(buf.buf, (size_t)buf.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static int parse_geometry(int dtype, Py_ssize_t heads, Py_ssize_t tokens, Py_ssize_t dim, Py_ssize_t buflen,
+                          size_t *elems) {
+    if (kvn_itemsize(dtype) == 0 || heads < 0 || tokens < 0 || dim < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad dtype code or geometry");
+        return -1;
+    }
+    size_t n = (size_t)heads * (size_t)tokens * (size_t)dim;
+    if (heads && tokens && dim && (n / (size_t)heads / (size_t)tokens != (size_t)dim || n * kvn_itemsize(dtype) / kvn_itemsize(dtype) != n)) {
+        PyErr_SetString(PyExc_OverflowError, "block too large");
+        return -1;
+    }
+    if ((size_t)buflen != n * kvn_itemsize(dtype)) {
+        PyErr_SetString(PyExc_ValueError, "buffer size does not match dtype x shape");
+        return -1;
+    }
+    *elems = n;
+    return 0;
+}
+
+/* exphuff_encode(block, dtype, heads, tokens, dim) -> bytes; block is C-contiguous [heads, tokens, dim]. */
+static PyObject *py_exphuff_encode(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    int dtype;
+    Py_ssize_t heads, tokens, dim;
+    if (!PyArg_ParseTuple(args, "y*innn", &buf, &dtype, &heads, &tokens, &dim)) return NULL;
+    size_t n;
+    if (parse_geometry(dtype, heads, tokens, dim, buf.len, &n)) { PyBuffer_Release(&buf); return NULL; }
+    kvn_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, (size_t)tokens * (size_t)dim};
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)kvn_exphuff_bound(&b));
+    if (!out) { PyBuffer_Release(&buf); return NULL; }
+    size_t written = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvn_exphuff_encode(&b, buf.buf, (uint8_t *)PyBytes_AS_STRING(out), &written);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    if (rc) { Py_DECREF(out); return rc == KVN_ERR_NOMEM ? PyErr_NoMemory() : error_status(rc); }
+    if (_PyBytes_Resize(&out, (Py_ssize_t)written) < 0) return NULL;
+    return out;
+}
+
+/* exphuff_decode(chunk, out, dtype, heads, tokens, dim) -> status; out is a writable C-contiguous block. */
+static PyObject *py_exphuff_decode(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int dtype;
+    Py_ssize_t heads, tokens, dim;
+    if (!PyArg_ParseTuple(args, "y*w*innn", &src, &dst, &dtype, &heads, &tokens, &dim)) return NULL;
+    size_t n;
+    if (parse_geometry(dtype, heads, tokens, dim, dst.len, &n)) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    kvn_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, (size_t)tokens * (size_t)dim};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvn_exphuff_decode(&b, src.buf, (size_t)src.len, dst.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
+    return PyLong_FromLong(rc);
+}
+
+/* Copy tokens [t0, t1) of every head between two [heads, *, dim] layouts. */
+static void copy_tokens(uint8_t *dst, size_t dst_head, const uint8_t *src, size_t src_head, size_t heads,
+                        size_t row_bytes, size_t count) {
+    for (size_t h = 0; h < heads; h++) memcpy(dst + h * dst_head, src + h * src_head, count * row_bytes);
+}
+
+/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded) -> (blob, meta)
+ * Cuts a C-contiguous tensor [heads, tokens, dim] into blocks of chunk_tokens tokens; each is
+ * exphuff-coded when `coded` and that is smaller, else stored as its C-order bytes. */
+static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    int dtype, coded;
+    Py_ssize_t heads, tokens, dim, chunk;
+    if (!PyArg_ParseTuple(args, "y*innnnp", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded)) return NULL;
+    size_t n;
+    if (parse_geometry(dtype, heads, tokens, dim, buf.len, &n) || chunk < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "chunk tokens must be >= 1");
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    size_t w = kvn_itemsize(dtype), row = (size_t)dim * w;
+    size_t nblocks = ((size_t)tokens + (size_t)chunk - 1) / (size_t)chunk, total = 0, scratch_size = 0;
+    for (size_t k = 0; k < nblocks; k++) {
+        size_t tb = (size_t)tokens - k * (size_t)chunk < (size_t)chunk ? (size_t)tokens - k * (size_t)chunk : (size_t)chunk;
+        kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
+        size_t raw = (size_t)heads * tb * row, bound = coded ? kvn_exphuff_bound(&b) : 0;
+        total += bound > raw ? bound : raw;
+        if (raw > scratch_size) scratch_size = raw;
+    }
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    PyObject *meta = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nblocks * sizeof(block_meta)));
+    uint8_t *scratch = malloc(scratch_size ? scratch_size : 1);
+    if (!blob || !meta || !scratch) {
+        Py_XDECREF(blob);
+        Py_XDECREF(meta);
+        free(scratch);
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(blob);
+    block_meta *m = (block_meta *)PyBytes_AS_STRING(meta);
+    int rc = KVN_OK;
+    size_t pos = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t k = 0; k < nblocks && rc == KVN_OK; k++) {
+        size_t t0 = k * (size_t)chunk, tb = (size_t)tokens - t0 < (size_t)chunk ? (size_t)tokens - t0 : (size_t)chunk;
+        size_t raw_len = (size_t)heads * tb * row;
+        const uint8_t *block = (const uint8_t *)buf.buf + t0 * row;
+        if (heads > 1 && tb != (size_t)tokens) {  /* gather the block's heads: its bytes in C order */
+            copy_tokens(scratch, tb * row, block, (size_t)tokens * row, (size_t)heads, row, tb);
+            block = scratch;
+        }
+        uint64_t raw_hash = kvn_xxh3_64(block, raw_len);
+        size_t written = raw_len;
+        if (coded) {
+            kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
+            rc = kvn_exphuff_encode(&b, block, out + pos, &written);
+        }
+        if (rc) break;
+        if (!coded || written >= raw_len) {
+            memcpy(out + pos, block, raw_len);
+            m[k] = (block_meta){raw_len, raw_len, raw_hash, raw_hash, JOB_STORED_RAW};
+        } else {
+            m[k] = (block_meta){written, raw_len, kvn_xxh3_64(out + pos, written), raw_hash, 0};
+        }
+        pos += m[k].stored_len;
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    PyBuffer_Release(&buf);
+    if (rc) {
+        Py_DECREF(blob);
+        Py_DECREF(meta);
+        return rc == KVN_ERR_NOMEM ? PyErr_NoMemory() : error_status(rc);
+    }
+    if (_PyBytes_Resize(&blob, (Py_ssize_t)pos) < 0) { Py_DECREF(meta); return NULL; }
+    return Py_BuildValue("(NN)", blob, meta);
+}
+
+/* decode_blocks(src, jobs, out, dtype, heads, tokens, dim, verify) -> (status, failed job or -1)
+ * `out` holds C-contiguous tensors [heads, tokens, dim] back to back; each job decodes one block
+ * into tensor out_index at token block_start, clipped to the tensor's tokens. */
+static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
+    Py_buffer src, jobs_buf, dst;
+    int dtype, verify;
+    Py_ssize_t heads, tokens, dim;
+    if (!PyArg_ParseTuple(args, "y*y*w*innnp", &src, &jobs_buf, &dst, &dtype, &heads, &tokens, &dim, &verify))
+        return NULL;
+    size_t w = kvn_itemsize(dtype), row = (size_t)dim * w, tensor = (size_t)heads * (size_t)tokens * row;
+    if (!w || heads < 0 || tokens < 0 || dim < 0 || jobs_buf.len % sizeof(job) || (tensor && dst.len % tensor)) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&jobs_buf);
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "bad geometry, job array or output size");
+        return NULL;
+    }
+    size_t njobs = (size_t)jobs_buf.len / sizeof(job), ntensors = tensor ? (size_t)dst.len / tensor : 0;
+    const job *jobs = jobs_buf.buf;
+    const uint8_t *base = src.buf;
+    uint8_t *out = dst.buf;
+    uint8_t *scratch = NULL;
+    size_t scratch_size = 0;
+    int rc = KVN_OK;
+    Py_ssize_t failed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < njobs; i++) {
+        const job *j = &jobs[i];
+        size_t tb = j->block_tokens, raw_len;
+        if (__builtin_mul_overflow((size_t)heads * row, tb, &raw_len) || j->out_index >= ntensors || j->offset > (uint64_t)src.len || j->stored_len > (uint64_t)src.len - j->offset ||
+            j->block_start >= (int64_t)tokens || j->block_start + (int64_t)tb <= 0 || (j->flags & ~JOB_STORED_RAW)) {
+            rc = KVN_ERR_ARG;
+        } else if (verify && kvn_xxh3_64(base + j->offset, j->stored_len) != j->stored_xxh3) {
+            rc = KVN_ERR_CHECKSUM;
+        } else if ((j->flags & JOB_STORED_RAW) && j->stored_len != raw_len) {
+            rc = KVN_ERR_CORRUPT;
+        }
+        if (rc) { failed = (Py_ssize_t)i; break; }
+        int64_t lo = j->block_start < 0 ? 0 : j->block_start;
+        int64_t hi = j->block_start + (int64_t)tb > (int64_t)tokens ? (int64_t)tokens : j->block_start + (int64_t)tb;
+        uint8_t *target = out + j->out_index * tensor + (size_t)lo * row;
+        const uint8_t *chunk = base + j->offset;
+        int whole = lo == j->block_start && hi == j->block_start + (int64_t)tb;
+        if (j->flags & JOB_STORED_RAW) {
+            copy_tokens(target, (size_t)tokens * row, chunk + (size_t)(lo - j->block_start) * row, tb * row,
+                        (size_t)heads, row, (size_t)(hi - lo));
+            continue;
+        }
+        if (whole) {
+            kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, (size_t)tokens * (size_t)dim};
+            rc = kvn_exphuff_decode(&b, chunk, j->stored_len, target);
+        } else {
+            if (raw_len > scratch_size) {
+                free(scratch);
+                scratch_size = raw_len;
+                scratch = malloc(scratch_size);
+            }
+            if (!scratch) { rc = KVN_ERR_NOMEM; scratch_size = 0; }
+            else {
+                kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
+                rc = kvn_exphuff_decode(&b, chunk, j->stored_len, scratch);
+                if (!rc)
+                    copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
+                                (size_t)heads, row, (size_t)(hi - lo));
+            }
+        }
+        if (rc) { failed = (Py_ssize_t)i; break; }
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&jobs_buf);
+    PyBuffer_Release(&dst);
+    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
+    return Py_BuildValue("(in)", rc, failed);
+}
+
+static PyMethodDef methods[] = {
+    {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
+    {"exphuff_encode", py_exphuff_encode, METH_VARARGS, "Encode one C-contiguous block as an exphuff chunk."},
+    {"exphuff_decode", py_exphuff_decode, METH_VARARGS, "Decode one exphuff chunk into a C-contiguous block; returns a status."},
+    {"encode_blocks", py_encode_blocks, METH_VARARGS, "Encode a tensor's token blocks: (blob, meta)."},
+    {"decode_blocks", py_decode_blocks, METH_VARARGS, "Decode a batch of chunks into tensors: (status, failed job)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core", "kvtool's native codec core.", -1, methods};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "JOB_SIZE", (long)sizeof(job)) < 0 ||
+        PyModule_AddIntConstant(m, "BLOCK_META_SIZE", (long)sizeof(block_meta)) < 0 ||
+        PyModule_AddIntConstant(m, "STATUS_CORRUPT", KVN_ERR_CORRUPT) < 0 ||
+        PyModule_AddIntConstant(m, "STATUS_CHECKSUM", KVN_ERR_CHECKSUM) < 0 ||
+        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

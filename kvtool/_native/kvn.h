@@ -1,0 +1,59 @@
+/* kvtool's native core: shared declarations.
+ *
+ * The core is plain C99 with GCC/Clang builtins. Hot loops are compiled twice
+ * (AVX2 and the baseline) through KVN_MULTIVERSION and chosen at load time;
+ * every variant computes the same bytes.
+ */
+#ifndef KVN_H
+#define KVN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvtool's native core assumes a little-endian machine"
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KVN_NO_MULTIVERSION)
+#define KVN_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define KVN_MULTIVERSION
+#endif
+
+static inline uint64_t kvn_rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t kvn_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline void kvn_wr64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline void kvn_wr32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* XXH3-64 with seed 0 and the default secret (xxhash_spec.md), the checksum of .kvz chunks. */
+uint64_t kvn_xxh3_64(const uint8_t *data, size_t len);
+
+/* ---- exphuff: one KV block [heads, tokens, dim] <-> one coded chunk (see exphuff.c) ---- */
+
+enum kvn_dtype { KVN_BF16 = 0, KVN_FP16 = 1, KVN_FP32 = 2, KVN_FP8_E4M3 = 3, KVN_FP8_E5M2 = 4, KVN_NDTYPES };
+
+typedef struct {
+    int dtype;           /* enum kvn_dtype */
+    size_t heads, tokens, dim;
+    /* Elements between consecutive heads; tokens are dim apart and a token's row is contiguous. */
+    size_t head_stride;
+} kvn_block;
+
+enum kvn_status {
+    KVN_OK = 0,
+    KVN_ERR_CORRUPT = 1,    /* the chunk is malformed */
+    KVN_ERR_NOMEM = 2,
+    KVN_ERR_ARG = 3,        /* unsupported dtype or geometry */
+    KVN_ERR_CHECKSUM = 4,   /* stored bytes do not match their checksum */
+};
+
+size_t kvn_itemsize(int dtype);
+/* An upper bound on the bytes kvn_exphuff_encode writes for a block. */
+size_t kvn_exphuff_bound(const kvn_block *b);
+/* Encode the block at `src` into `dst` (room for kvn_exphuff_bound bytes); the chunk length in *written. */
+int kvn_exphuff_encode(const kvn_block *b, const void *src, uint8_t *dst, size_t *written);
+/* Decode a chunk into the block at `dst` (laid out as b describes). */
+int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len, void *dst);
+
+#endif
