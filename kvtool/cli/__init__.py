@@ -47,6 +47,9 @@ app = typer.Typer(
     cls=_Group,
     name="kvtool",
     help="Keep LLM KV caches instead of recomputing them: reorder, compress losslessly, store in tiers.",
+    epilog="Exit codes: 0 done; 1 not done (no such entry, not stored); 2 usage; 3 unavailable (a missing "
+    "library, a store server that does not answer); 4 input that does not decode (corrupt, not this format, "
+    "over --max-size); 130 interrupted; 143 terminated.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
