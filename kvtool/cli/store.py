@@ -33,7 +33,7 @@ STORE_OPTION = typer.Option(
     envvar="KVTOOL_STORE",
     show_default=False,
     help="Store URL, or comma-separated URLs fastest tier first: memory://?capacity=2GiB, "
-    "file:///path?capacity=100GiB, redis://host:6379/0?ttl=3600. "
+    "file:///path?capacity=100GiB, redis://host:6379/0?ttl=3600, redis+cluster://host:7000,host2:7000/?ttl=3600. "
     "Default: a file store in $XDG_CACHE_HOME/kvtool/store (~/.cache/kvtool/store).",
 )
 

@@ -12,6 +12,8 @@ group ``kvtool.stores``); a comma-separated list of URLs builds a
 ``TieredStore``, fastest tier first::
 
     open_store("memory://?capacity=2GiB,file:///var/cache/kvtool?capacity=100GiB,redis://cache:6379/0?ttl=3600")
+
+A Redis Cluster's node list stays one tier: ``redis+cluster://10.0.0.1:7000,10.0.0.2:7000/?ttl=3600``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ registry: Registry[type[Store]] = Registry(
         "file": "kvtool.store.file:FileStore",
         "redis": ("kvtool.store.redis:RedisStore", "redis"),
         "rediss": ("kvtool.store.redis:RedisStore", "redis"),
+        "redis+cluster": ("kvtool.store.redis_cluster:RedisClusterStore", "redis"),
+        "rediss+cluster": ("kvtool.store.redis_cluster:RedisClusterStore", "redis"),
     },
 )
 
@@ -40,12 +44,12 @@ registry: Registry[type[Store]] = Registry(
 def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
-    ``policy`` and ``promote`` apply to a tiered store. A comma followed by
-    ``scheme://`` starts the next tier; any other comma (in a password, say)
-    belongs to its URL.
+    ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
+    except before the ``host:port`` of a cluster's next node and inside
+    credentials (a comma in a password stays in its URL; see ``split_urls``).
     """
     urls = split_urls(url)
-    if not all(urls) or any(u.endswith(",") for u in urls):
+    if not all(urls):
         raise UsageError(f"empty tier in store URL list {redact(url)!r}")
     tiers: list[Store] = []
     try:

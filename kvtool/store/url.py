@@ -13,8 +13,6 @@ from urllib.parse import parse_qsl, urlsplit
 from kvtool.errors import UsageError
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
-#: A comma that starts another URL; a comma inside a password does not.
-_LIST_SEPARATOR = re.compile(r",(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 def redact(url: str) -> str:
@@ -48,11 +46,6 @@ def _redact_one(url: str) -> str:
     return f"{scheme}://{rest}"
 
 
-def split_urls(text: str) -> list[str]:
-    """The URLs of a comma-separated list; a comma inside a password stays in its URL."""
-    return [part.strip() for part in _LIST_SEPARATOR.split(text)]
-
-
 def has_password(url: str) -> bool:
     """Whether ``url`` carries a password (``user:password@`` or ``:password@``) by ``redact``'s reading."""
     userinfo, at, _ = url.partition("://")[2].rpartition("@")
@@ -64,9 +57,44 @@ def scheme_of(url: str) -> str:
     if not sep or not _SCHEME.fullmatch(scheme):
         raise UsageError(
             f"not a store URL: {redact(url)!r} (examples: memory://?capacity=2GiB, "
-            "file:///var/cache/kvtool, redis://127.0.0.1:6379/0)"
+            "file:///var/cache/kvtool, redis://127.0.0.1:6379/0, redis+cluster://10.0.0.1:7000,10.0.0.2:7000)"
         )
     return scheme.lower()
+
+
+_NODE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]+(/.*|\?.*)?", re.DOTALL)
+
+
+def split_urls(text: str) -> list[str]:
+    """The URLs of a comma-separated list, fastest tier first.
+
+    A part that is only ``host:port`` (no scheme) continues a URL that so far
+    names only hosts: the node list of ``redis+cluster://host:port,host:port/?...``.
+    Parts without a scheme up to one holding an ``@`` continue the URL before
+    them: the commas were in its credentials (``redis://:pa,ss@host``), which
+    must never be cut into pieces shown as URLs of their own.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    urls: list[str] = []
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        ends_credentials = next((j for j in range(i, len(parts)) if "://" in parts[j] or "@" in parts[j]), None)
+        if urls and ends_credentials is not None and "://" not in parts[ends_credentials]:
+            urls[-1] += "," + ",".join(parts[i : ends_credentials + 1])
+            i = ends_credentials + 1
+            continue
+        if urls and _NODE.fullmatch(part) and _names_only_hosts(urls[-1]):
+            urls[-1] += "," + part
+        else:
+            urls.append(part)
+        i += 1
+    return urls
+
+
+def _names_only_hosts(url: str) -> bool:
+    rest = url.partition("://")[2].rpartition("@")[2]  # after the credentials, which may hold '/' or '?'
+    return bool(rest) and "/" not in rest and "?" not in rest
 
 
 def split_query(url: str) -> tuple[str, str]:
