@@ -700,6 +700,8 @@ class KvzReader:
                 flat[cells] = np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8)
             return
         blocks = [(i, t, start) for i, t in enumerate(positions) for start in range(0, self.num_tokens, self.chunk_tokens)]
+        if not blocks:  # no tokens or no layers: nothing to place (the native core refuses an empty batch)
+            return
         chunk_rows = np.array([self._rows[(t, start)][0] for _, t, start in blocks], dtype=np.int64)
         entries = self.index[chunk_rows]
         jobs = np.zeros(len(blocks), JOB_DTYPE)

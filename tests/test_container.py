@@ -224,3 +224,12 @@ def test_fuzzed_files_decode_exactly_or_fail_cleanly(small, data):
         return
     # Only an unchanged file, or a splice that copied the other file whole, is a valid .kvz.
     assert decoded.equal_bits(one) or (bytes(mutated) == other and decoded.equal_bits(other_cache))
+
+
+@pytest.mark.parametrize("recipe", ["exphuff", "byteplane|zstd:1"])
+def test_read_rows_of_a_cache_without_tokens_places_nothing(small, recipe):
+    empty = small.select(tokens=slice(0, 0))
+    target = np.full(16, 7, np.uint8)
+    with container.KvzReader.from_bytes(encode_cache(empty, recipe)) as reader:
+        reader.read_rows([target], np.zeros((6, 3, 0), np.int64), [0] * 6)
+    assert (target == 7).all()

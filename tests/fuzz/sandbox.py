@@ -13,8 +13,8 @@ Cases:
 
 ``{"op": "read", "path": P, "max_size": N}``
     ``read()`` through ``open_kvz``, ``sizes()`` and ``verify(full=True)``, and
-    ``read()`` through ``KvzReader.from_bytes`` (the vLLM restore path), each on
-    its own; report ``ok`` with a digest of the decoded bits and whether the
+    ``read()`` through ``KvzReader.from_bytes`` (the vLLM restore path), and
+    ``read_rows()`` into a buffer of the cache's size, each on its own; report ``ok`` with a digest of the decoded bits and whether the
     decode agrees with the raw checksums the file records, or ``error`` with the
     kvtool error ``read()`` ended in; ``ops`` says how each way ended.
 ``{"op": "cli", "args": [...]}``
@@ -176,6 +176,9 @@ def _read_case(path: Path, max_size: int) -> dict[str, Any]:
     with _outcome(outcomes, "from_bytes"):
         with KvzReader.from_bytes(path.read_bytes(), max_size=max_size) as reader:
             again = reader.read(threads=1)
+    with _outcome(outcomes, "read_rows"):
+        with KvzReader.from_bytes(path.read_bytes(), max_size=max_size) as reader:
+            placed = _read_rows(reader, max_size)
     report: dict[str, Any] = {"ops": outcomes, "cpu_s": time.process_time() - started}
     bugs = {op: o for op, o in outcomes.items() if o.get("bug")}
     if bugs:
@@ -186,6 +189,7 @@ def _read_case(path: Path, max_size: int) -> dict[str, Any]:
             "status": "ok",
             "digest": digest(cache),
             "same_by_both_paths": outcomes["from_bytes"]["ok"] and digest(again) == digest(cache),
+            "same_by_rows": outcomes["read_rows"]["ok"] and (placed is None or placed == _cache_bytes(cache)),
             "agrees_with_checksums": checked,
         }
     return {**report, "status": "error", **{k: outcomes["read"][k] for k in ("type", "decode_error", "message")}}
@@ -203,6 +207,25 @@ def _outcome(outcomes: dict[str, Any], op: str):
         outcomes[op] = {"ok": False, "type": type(exc).__name__, "decode_error": isinstance(exc, DecodeError), "message": str(exc)}
     except Exception as exc:  # noqa: BLE001 - anything else is what the harness looks for
         outcomes[op] = {"ok": False, "bug": True, "type": type(exc).__name__, "traceback": traceback.format_exc()[-4000:]}
+
+
+def _read_rows(reader, max_size: int) -> bytes | None:
+    """``read_rows`` into one flat buffer laid out as ``read()`` lays out a cache; None when over ``max_size``."""
+    import numpy as np
+
+    count = 2 * len(reader.layer_ids)
+    heads, tokens, dim = reader.tensors[0][2] if reader.tensors else (0, 0, 0)
+    row = dim * reader.dtype.itemsize
+    if count * heads * tokens * row > max_size:
+        return None  # read() refuses this; the rows path leaves the sizing to its caller
+    target = np.zeros(max(count * heads * tokens * row, row, 1), np.uint8)
+    rows = (np.arange(count * heads * tokens, dtype=np.int64) * row).reshape(count, heads, tokens)
+    reader.read_rows([target], rows, [0] * count)
+    return target[: count * heads * tokens * row].tobytes()
+
+
+def _cache_bytes(cache) -> bytes:
+    return b"".join(array.tobytes() for _, _, array in cache.tensors())
 
 
 def digest(cache) -> str:

@@ -73,7 +73,7 @@ def read(sandbox, tmp_path: Path, blob: bytes, recipe: str | None = None) -> dic
     if report["status"] == "error":
         assert report["decode_error"], report
     else:
-        assert report["same_by_both_paths"], report
+        assert report["same_by_both_paths"] and report["same_by_rows"], report
         if recipe not in BATCH_READ_SKIPS_RAW_CHECKSUMS:
             assert report["agrees_with_checksums"], report
     return report
