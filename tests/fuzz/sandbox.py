@@ -210,14 +210,15 @@ def _outcome(outcomes: dict[str, Any], op: str):
 
 
 def _read_rows(reader, max_size: int) -> bytes | None:
-    """``read_rows`` into one flat buffer laid out as ``read()`` lays out a cache; None when over ``max_size``."""
+    """``read_rows`` into one flat buffer laid out as ``read()`` lays out a cache; None when the
+    buffer and its row offsets would take more than ``max_size``."""
     import numpy as np
 
     count = 2 * len(reader.layer_ids)
     heads, tokens, dim = reader.tensors[0][2] if reader.tensors else (0, 0, 0)
     row = dim * reader.dtype.itemsize
-    if count * heads * tokens * row > max_size:
-        return None  # read() refuses this; the rows path leaves the sizing to its caller
+    if count * heads * tokens * (row + 8) > max_size:
+        return None  # data and row offsets (int64) over the limit: the rows path leaves the sizing to its caller
     target = np.zeros(max(count * heads * tokens * row, row, 1), np.uint8)
     rows = (np.arange(count * heads * tokens, dtype=np.int64) * row).reshape(count, heads, tokens)
     reader.read_rows([target], rows, [0] * count)
