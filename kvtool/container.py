@@ -675,7 +675,7 @@ class KvzReader:
     def read_rows(self, targets: list[np.ndarray], rows: np.ndarray, target_of: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """Decode ``layers`` (all by default) into other memory, row by row: row (head h, token t) of the
         i-th tensor read (K then V of each layer) goes to byte offset ``rows[i, h, t]`` of the flat byte
-        array ``targets[target_of[i]]``.
+        array ``targets[target_of[i]]``; a negative offset leaves that row out.
 
         For destinations laid out otherwise than ``[heads, tokens, dim]``, such as an engine's paged
         KV blocks: with the native core each chunk goes from the stored bytes to its rows in one
@@ -689,15 +689,16 @@ class KvzReader:
         row_bytes = self._dim * self.dtype.itemsize
         for i, target in enumerate(target_of):
             limit = targets[target].nbytes - row_bytes
-            if rows.size and (rows[i].min() < 0 or rows[i].max() > limit):
+            if rows.size and rows[i].max() > limit:
                 raise UsageError(f"{self.name}: row offsets fall outside their target")
         batch = BatchCodec.for_recipe(self.recipe, self.dtype.numpy)
         if batch is None:  # decode, then place the rows with numpy
             cache = self.read(layers=wanted, threads=1)
             for i, array in enumerate(t for _, _, t in cache.tensors()):
                 flat = targets[target_of[i]].reshape(-1).view(np.uint8)
-                cells = rows[i].reshape(-1, 1) + np.arange(row_bytes)
-                flat[cells] = np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8)
+                kept = rows[i].reshape(-1) >= 0
+                cells = rows[i].reshape(-1, 1)[kept] + np.arange(row_bytes)
+                flat[cells] = np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8)[kept]
             return
         blocks = [(i, t, start) for i, t in enumerate(positions) for start in range(0, self.num_tokens, self.chunk_tokens)]
         if not blocks:  # no tokens or no layers: nothing to place (the native core refuses an empty batch)

@@ -241,7 +241,7 @@ def test_keys_that_are_not_valid_unicode_are_refused(tmp_path):
         [sys.executable, "-m", "kvtool", "store", "put", b"key\xff", "-", "--store", store],
         input=b"value", capture_output=True, timeout=60,
     )
-    assert proc.returncode == 2 and b"not valid Unicode" in proc.stderr and proc.stderr.count(b"\n") == 1
+    assert proc.returncode == 2 and b"is not Unicode text" in proc.stderr and proc.stderr.count(b"\n") == 1
     assert not list(tmp_path.glob("store/entries/*/*.kve"))
 
 

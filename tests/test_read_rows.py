@@ -41,6 +41,20 @@ def test_rows_land_in_their_paged_blocks(samples, recipe):
     assert not any(page[untouched].view(np.uint16).any() for page in pages)
 
 
+@pytest.mark.parametrize("recipe", ["exphuff", "zstd:3"])
+def test_negative_offsets_leave_rows_out(samples, recipe):
+    cache = KVCache.load(samples[0], layers=[0], tokens=slice(0, 48))
+    heads, tokens, dim = cache.keys[0].shape
+    target = np.zeros((2, heads, tokens, dim), cache.dtype.numpy)
+    rows = (np.arange(2 * heads * tokens, dtype=np.int64) * dim * 2).reshape(2, heads, tokens)
+    rows[:, :, :16] = -1  # the first 16 tokens are already in place
+    with KvzReader.from_bytes(encode_cache(cache, recipe, chunk_tokens=32)) as reader:
+        reader.read_rows([target], rows, [0, 0])
+    assert not target[:, :, :16].view(np.uint16).any()
+    assert np.array_equal(target[0, :, 16:].view(np.uint16), cache.keys[0][:, 16:].view(np.uint16))
+    assert np.array_equal(target[1, :, 16:].view(np.uint16), cache.values[0][:, 16:].view(np.uint16))
+
+
 def test_offsets_outside_the_target_are_refused(samples):
     cache = KVCache.load(samples[0], layers=[0], tokens=slice(0, 32))
     heads, tokens, dim = cache.keys[0].shape

@@ -68,6 +68,17 @@ def test_value_damaged_inside_redis_is_a_miss(redis_url, caplog):
         assert client.exists(f"{prefix}flipped", f"{prefix}cut") == 0  # dropped
 
 
+def test_entries_expire_after_a_day_by_default_or_never_if_asked(redis_url):
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    with open_store(f"{redis_url}?prefix={prefix}") as store:
+        store.put("k", b"v")
+        assert 86_000_000 < _raw_client(redis_url).pttl(f"{prefix}k") <= 86_400_000
+    with open_store(f"{redis_url}?ttl=none&prefix={prefix}") as store:
+        store.put("k", b"v")
+        assert _raw_client(redis_url).pttl(f"{prefix}k") == -1  # no expiry
+        assert "ttl=none" in store.describe()
+
+
 def test_ttl_is_set_on_every_entry(redis_url):
     prefix = _unique_prefix()
     with open_store(f"{redis_url}?ttl=60&prefix={prefix}") as store:

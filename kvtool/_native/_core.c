@@ -263,8 +263,9 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
 
 /* decode_rows(src, jobs, row_starts, rows, targets, dtype, heads, dim, verify) -> (status, failed job or -1)
  * Decodes each job's block (block_tokens tokens) and writes its row (head h, token t) to byte
- * offset rows[row_starts[i] + h * block_tokens + t] of targets[out_index]: any destination
- * whose token rows are contiguous, such as an engine's paged KV blocks. */
+ * offset rows[row_starts[i] + h * block_tokens + t] of targets[out_index], or nowhere when that
+ * offset is negative: any destination whose token rows are contiguous, such as an engine's
+ * paged KV blocks. */
 static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
     Py_buffer src, jobs_buf, starts_buf, rows_buf;
     PyObject *targets;
@@ -310,7 +311,7 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
         const Py_buffer *t = rc ? NULL : &dst[j->out_index];
         for (size_t r = 0; t && r < nr; r++) {  /* every row inside its target before anything is written */
             int64_t at = rows[starts[i] + (int64_t)r];
-            if (at < 0 || (uint64_t)at > (uint64_t)t->len || row > (size_t)t->len - (size_t)at) { rc = KVN_ERR_ARG; break; }
+            if (at >= 0 && ((uint64_t)at > (uint64_t)t->len || row > (size_t)t->len - (size_t)at)) { rc = KVN_ERR_ARG; break; }
         }
         const uint8_t *block = base + j->offset;
         if (!rc && !(j->flags & JOB_STORED_RAW)) {
@@ -327,7 +328,10 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
             }
         }
         if (rc) { failed = (Py_ssize_t)i; break; }
-        for (size_t r = 0; r < nr; r++) memcpy((uint8_t *)t->buf + rows[starts[i] + (int64_t)r], block + r * row, row);
+        for (size_t r = 0; r < nr; r++) {
+            int64_t at = rows[starts[i] + (int64_t)r];
+            if (at >= 0) memcpy((uint8_t *)t->buf + at, block + r * row, row);
+        }
     }
     Py_END_ALLOW_THREADS
     free(scratch);

@@ -7,7 +7,6 @@ pin, unpin, prefetch, offload, hint, lookup and events, with ``--api URL``.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -18,6 +17,8 @@ from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_tab
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.store import Store, TieredStore, open_store
+from kvtool.store.file import default_path
+from kvtool.store.metrics import prometheus_text
 from kvtool.units import format_size
 
 store_app = typer.Typer(
@@ -49,17 +50,17 @@ TOKEN_FILE_OPTION = typer.Option(
 
 def default_store_url() -> str:
     """A file store under the user's cache directory, which outlives the process."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return "file://" + str(Path(cache) / "kvtool" / "store")
+    return f"file://{default_path()}"
 
 
-def _open(url: Optional[str]) -> Store:
-    return open_store(url or default_store_url())
+def _open(url: Optional[str], read_only: bool = False) -> Store:
+    return open_store(url or default_store_url(), read_only=read_only)
 
 
 def _open_to_report(url: Optional[str]) -> Store:
-    """A store whose every tier answers, for commands that report contents: a tier that is down is an error, not empty."""
-    store = _open(url)
+    """A store opened read-only whose every tier answers, for commands that report contents:
+    a tier that is down is an error, not an empty tier."""
+    store = _open(url, read_only=True)
     try:
         for tier in store.tiers if isinstance(store, TieredStore) else [store]:
             tier.check_reachable()
@@ -107,7 +108,7 @@ def get(
 
 @store_app.command("ls")
 def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
-    """List the entries: key, tier, stored size and token count."""
+    """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
     with _open_to_report(store) as s:
         rows = []
         for key in s.keys():
@@ -124,12 +125,29 @@ def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
 
 
 @store_app.command("stats")
-def stats(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
-    """What the store holds, per tier: entries, bytes, capacity."""
+def stats(
+    store: Optional[str] = STORE_OPTION,
+    json_out: bool = JSON_OPTION,
+    prometheus: bool = typer.Option(
+        False, "--prometheus", help="Print Prometheus text exposition format (needs the metrics extra)."
+    ),
+):
+    """What the store holds, per tier: entries, bytes, capacity (reads only: changes nothing).
+
+    --json and --prometheus add this process's counters (hits, bytes read, ...),
+    which start at zero: a store's activity is in the metrics of the processes using it.
+    """
     with _open_to_report(store) as s:
         data = s.stats()
     if json_out:
         print_json(data)
+        return
+    if prometheus:
+        try:
+            text = prometheus_text(data)
+        except ImportError:
+            raise UsageError("--prometheus needs prometheus_client: pip install 'kvtool[metrics]'") from None
+        typer.echo(text.decode(), nl=False)
         return
     rows = []
     for tier in data.get("tiers", [data]):

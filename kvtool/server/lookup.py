@@ -163,7 +163,7 @@ def lookup_prefix(store: Store, query: PrefixQuery, hasher: BlockHasher | None =
 
 
 def _vllm_chunks(store: Store, query: PrefixQuery, hasher: BlockHasher | None) -> list[tuple[list[str], int]]:
-    from kvtool.integrations.vllm.plan import EntryNamer, find_stored_prefix
+    from kvtool.integrations.vllm.plan import EntryNamer, find_stored_prefix, tokens_in
     from kvtool.integrations.vllm.settings import ConnectorSettings
 
     if hasher is None or hasher.algo != query.hash_algo:
@@ -172,7 +172,7 @@ def _vllm_chunks(store: Store, query: PrefixQuery, hasher: BlockHasher | None) -
     namer = EntryNamer(query.model, Recipe.parse(query.recipe).spec(), query.kv_dtype, block_size, query.tp_size)
     hashes = hasher.hashes(query.tokens, block_size, query.salt)
     per_entry = ConnectorSettings(chunk_tokens=query.chunk_tokens).blocks_per_entry(block_size)
-    spans = find_stored_prefix(hashes, len(hashes), per_entry, namer, store.contains_many)
+    spans = find_stored_prefix(hashes, len(hashes), per_entry, namer, store.contains_many, tokens_in(store))
     return [(namer.keys(span.entry_id), span.num_blocks * block_size) for span in spans]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from kvtool.errors import UsageError
 from kvtool.registry import Registry
-from kvtool.store.base import Store, StoreClosedError
+from kvtool.store.base import ReadOnlyStoreError, Store, StoreClosedError
 from kvtool.store.entry import Entry, EntryInfo
 from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
 from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
@@ -41,12 +41,15 @@ registry: Registry[type[Store]] = Registry(
 )
 
 
-def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> Store:
+def open_store(
+    url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False, write_behind: int = 0
+) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
-    ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
-    except before the ``host:port`` of a cluster's next node and inside
-    credentials (a comma in a password stays in its URL; see ``split_urls``).
+    ``policy``, ``promote`` and ``write_behind`` apply to a tiered store. Commas separate tiers,
+    except before the ``host:port`` of a cluster's next node and inside credentials (a
+    comma in a password stays in its URL; see ``split_urls``). ``read_only`` opens it for
+    inspection: nothing on disk or in a server changes (``Store`` says what that means).
     """
     urls = split_urls(url)
     if not all(urls):
@@ -60,8 +63,11 @@ def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> 
             tier.close()
         raise
     if len(tiers) == 1 and policy is None:
-        return tiers[0]
-    return TieredStore(tiers, policy=policy, promote=promote)
+        store = tiers[0]
+    else:
+        store = TieredStore(tiers, policy=policy, promote=promote, write_behind=write_behind)
+    store.read_only = read_only
+    return store
 
 __all__ = [
     "CostAwarePolicy",
@@ -71,6 +77,7 @@ __all__ = [
     "Policy",
     "PrefixHit",
     "PrefixKeyer",
+    "ReadOnlyStoreError",
     "Store",
     "StoreClosedError",
     "StoreEvent",

@@ -23,11 +23,12 @@ class Placement:
     """What ``TieredStore`` knows about one entry: where it is and how it is used."""
 
     key: str
-    tier: int
+    tier: int  # the highest tier holding it
     size: int  # bytes of the stored record
     tokens: int | None  # tokens of KV cache the entry holds, from its metadata
     last_access: float  # time.monotonic() of the last put, get or touch
     hits: int = 0
+    copy_in: int | None = None  # a persistent tier below that holds the same record (write-behind)
 
 
 class TierProfile:

@@ -6,11 +6,18 @@ none, from the environment variable ``KVTOOL_REDIS_PASSWORD``; it never appears
 in ``repr``, messages or logs. ``kvtool.store.redis_cluster`` is the same tier
 over a Redis Cluster.
 
-Options: ``ttl`` (seconds an entry lives; default: until Redis evicts it),
+Options: ``ttl`` (seconds an entry lives after it is written; default 86400, a
+day; ``ttl=none``: until Redis evicts it),
 ``timeout`` (socket timeout, seconds, default 1), ``connect_timeout`` (default
 0.5), ``prefix`` (namespace for the keys, default ``kvtool:``), ``backoff``
 (seconds to treat the server as down after a failure, default 1), and for TLS
 ``ssl_ca_certs`` and ``ssl_cert_reqs``, passed to redis-py.
+
+The default TTL trades a recompute for bounded memory: a prefix unused for a day
+is gone and computed again, but a Redis server left at its default
+``maxmemory-policy noeviction`` never fills up with entries no one reads (once
+full, every put fails). With ``ttl=none`` set ``maxmemory`` and
+``maxmemory-policy allkeys-lru`` on the server, so Redis evicts the coldest.
 
 Every failure (server down, timeout, a key Redis evicted, a damaged value) is a
 miss, or ``False`` from ``put``, with the reason logged: a cache that cannot be
@@ -45,6 +52,7 @@ from kvtool.store.url import has_password, parse_options, positive_seconds, reda
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
+DEFAULT_TTL = 86400.0  # seconds
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs")  # passed to redis-py as they are
 _INFO_PREFIX = HEADER.size + MAX_KEY_BYTES + MAX_META_BYTES
 
@@ -96,7 +104,7 @@ class RedisStore(Store):
         self,
         url: str = "redis://127.0.0.1:6379/0",
         *,
-        ttl: float | None = None,
+        ttl: float | None = DEFAULT_TTL,
         timeout: float = 1.0,
         connect_timeout: float = 0.5,
         prefix: str = DEFAULT_PREFIX,
@@ -131,7 +139,7 @@ class RedisStore(Store):
     @classmethod
     def from_url(cls, url: str) -> "RedisStore":
         parsers: dict[str, Callable[[str], Any]] = {
-            "ttl": positive_seconds,
+            "ttl": _ttl,
             "timeout": positive_seconds,
             "connect_timeout": positive_seconds,
             "backoff": float,
@@ -143,7 +151,7 @@ class RedisStore(Store):
 
     def describe(self) -> str:
         options = {
-            "ttl": f"{self.ttl:g}" if self.ttl else None,
+            "ttl": None if self.ttl == DEFAULT_TTL else "none" if self.ttl is None else f"{self.ttl:g}",
             "prefix": self.prefix if self.prefix != DEFAULT_PREFIX else None,
         }
         query = "&".join(f"{k}={v}" for k, v in options.items() if v is not None)
@@ -368,6 +376,11 @@ def _checked(keys: Sequence[str]) -> list[str]:
     for key in keys:
         check_key(key)
     return keys
+
+
+def _ttl(text: str) -> float | None:
+    """``ttl=none`` keeps entries until Redis evicts them; otherwise positive seconds."""
+    return None if text.strip().lower() == "none" else positive_seconds(text)
 
 
 def _glob_escape(text: str) -> str:
