@@ -80,17 +80,25 @@ def train(
     caches: Iterable[KVCache],
     classes: int = DEFAULT_CLASSES,
     chunk_tokens: int = 256,
-    meta: dict | None = None,
     on_progress: Callable[[str], None] | None = None,
 ) -> Dictionary:
-    """A dictionary learnt from ``caches`` (read one at a time); ``meta`` is stored in it as it is."""
+    """A dictionary learnt from ``caches`` (read one at a time).
+
+    Its metadata says what it was learnt from (model, texts, tokens) and how
+    many bits per value its classes needed there, symbols and class choices
+    (the raw mantissa bits and a chunk's references not counted).
+    """
     if not 1 <= classes <= MAX_CLASSES:
         raise UsageError(f"classes must be in 1..{MAX_CLASSES}, not {classes}")
     if chunk_tokens < 1:
         raise UsageError(f"chunk tokens must be >= 1, not {chunk_tokens}")
     context_of, start = default_context_map()
-    samples, offsets = [], np.zeros(REF_SYMBOLS)
+    samples, offsets, sources, models, dtypes = [], np.zeros(REF_SYMBOLS), [], set(), set()
     for cache in caches:
+        models.add(cache.model.model_id)
+        dtypes.add(cache.dtype.name)
+        sources.append({"text": str(cache.provenance.get("text_name", "unknown")), "tokens": cache.num_tokens,
+                        "layers": cache.num_layers})
         name = cache.dtype.name
         if name not in ref.FAMILIES:
             raise UsageError(f"cannot train on {name} caches")
@@ -109,14 +117,19 @@ def train(
     data = np.concatenate(samples)
     if len(data) > MAX_SAMPLES:
         data = data[np.linspace(0, len(data) - 1, MAX_SAMPLES).astype(np.int64)]
-    freq, class_freq = _cluster(data, min(classes, len(data)), on_progress)
+    freq, class_freq, bits = _cluster(data, min(classes, len(data)), on_progress)
     class_table = np.zeros(SYMBOLS, np.uint16)
     class_table[: len(class_freq)] = class_freq
-    return Dictionary(freq, context_of, start, class_table, quantize(offsets + 0.5), dict(meta or {}))
+    meta = {
+        "models": sorted(models), "dtypes": sorted(dtypes), "trained_on": sources, "chunk_tokens": chunk_tokens,
+        "classes": len(class_freq), "contexts": CONTEXTS, "samples": len(data), "bits_per_value": round(bits, 4),
+    }
+    return Dictionary(freq, context_of, start, class_table, quantize(offsets + 0.5), meta)
 
 
-def _cluster(data: np.ndarray, n: int, on_progress) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` classes of symbol models ``[n, CONTEXTS, 64]`` and the class model, by Lloyd iterations on coding cost."""
+def _cluster(data: np.ndarray, n: int, on_progress) -> tuple[np.ndarray, np.ndarray, float]:
+    """``n`` classes of symbol models ``[n, CONTEXTS, 64]``, the class model, and the bits per value
+    they need on ``data``, by Lloyd iterations on coding cost."""
     marginal = data.reshape(len(data), CONTEXTS, SYMBOLS).sum(axis=1)
     level = marginal.reshape(len(data), 2, LEVELS).sum(axis=1)
     mean_level = (level * np.arange(LEVELS)).sum(axis=1) / np.maximum(level.sum(axis=1), 1)
@@ -126,15 +139,22 @@ def _cluster(data: np.ndarray, n: int, on_progress) -> tuple[np.ndarray, np.ndar
     assign[order] = np.arange(len(data)) * n // len(data)
     for iteration in range(ITERATIONS):
         freq, class_freq = _models(data, assign, n)
-        cost = -(data @ np.log2(freq.reshape(n, -1).astype(np.float64) / PROB_SCALE).T.astype(np.float32))
-        cost -= np.log2(class_freq / PROB_SCALE)
-        new = np.argmin(cost, axis=1)
+        new, bits = _assign(data, freq, class_freq)
         if on_progress:
-            on_progress(f"iteration {iteration + 1}: {cost.min(axis=1).sum() / data.sum():.4f} bits per value")
+            on_progress(f"iteration {iteration + 1}: {bits:.4f} bits per value")
         if np.array_equal(new, assign):
             break
         assign = new
-    return _models(data, assign, n)
+    freq, class_freq = _models(data, assign, n)
+    return freq, class_freq, _assign(data, freq, class_freq)[1]
+
+
+def _assign(data: np.ndarray, freq: np.ndarray, class_freq: np.ndarray) -> tuple[np.ndarray, float]:
+    """Each sample's cheapest class, and the bits per value of coding every sample with its cheapest."""
+    n = len(freq)
+    cost = -(data @ np.log2(freq.reshape(n, -1).astype(np.float64) / PROB_SCALE).T.astype(np.float32))
+    cost -= np.log2(class_freq / PROB_SCALE)
+    return np.argmin(cost, axis=1), float(cost.min(axis=1).sum() / data.sum())
 
 
 def _models(data: np.ndarray, assign: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

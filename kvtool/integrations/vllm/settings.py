@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvtool.errors import UsageError
+from kvtool.integrations.vllm.dictionary import check_setting as check_dictionary
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 
 DEFAULT_STORE = "memory://?capacity=4GiB"
@@ -20,13 +21,17 @@ class ConnectorSettings:
     different paths); ``overlap``: restore layer by layer while the model runs,
     or everything before the forward pass (default: overlap when the KV cache
     lives on an accelerator; on vLLM's CPU backend the decoding thread competes
-    with the model's own threads and measured slower)."""
+    with the model's own threads and measured slower); ``dictionary``: with a
+    ``ctxans`` recipe, a ``.kvd`` model dictionary to code with, or
+    ``train[:TOKENS]`` to learn one from the first entries saved
+    (``kvtool.integrations.vllm.dictionary``)."""
 
     store: str = DEFAULT_STORE
     recipe: str = DEFAULT_RECIPE
     chunk_tokens: int = 256
     model_id: str | None = None
     overlap: bool | None = None
+    dictionary: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -41,6 +46,7 @@ class ConnectorSettings:
         if settings.overlap is not None and not isinstance(settings.overlap, bool):
             raise UsageError(f"overlap must be true or false, not {settings.overlap!r}")
         Recipe.parse(settings.recipe)  # fail at startup, not on the first save
+        check_dictionary(settings.dictionary, settings.recipe)
         return settings
 
     def blocks_per_entry(self, block_size: int) -> int:
