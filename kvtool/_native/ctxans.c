@@ -13,7 +13,7 @@
  * (the values of layer 0 repeat with their token) is named, not coded.
  *
  * The coder is rANS with 32-bit states, 15-bit frequencies and 16-bit words,
- * eight states interleaved (symbol i uses state i % 8), so a decoder keeps eight
+ * sixteen states interleaved (symbol i uses state i % 16), so a decoder keeps sixteen
  * independent chains in flight. kvtool/_native/ctxans_reference.py is the same
  * format in numpy; docs/FORMAT.md describes the bytes.
  */
@@ -24,11 +24,16 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+/* On x86-64 the decoder's common rows run on AVX2 where the CPU has it (chosen at run time). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(KVN_NO_MULTIVERSION)
+#include <immintrin.h>
+#define KVN_AVX2_ROWS 1
+#endif
 
 #define VERSION 1
 #define FLAG_REPEATS 1u
 #define HEAD_SIZE 16 /* version, flags, tag[4], u16 base reference, u32 escapes, u32 rANS bytes */
-#define STATES 8
+#define STATES 16
 #define PROB_BITS 15
 #define PROB_MASK ((1u << PROB_BITS) - 1)
 #define RANS_LOW (1u << 16)
@@ -42,6 +47,17 @@
  * 8 * 15 = 120), then in 64 bits. */
 #define COST_LANES KVN_CTX_MAX_CLASSES
 #define COST_RUN 256
+
+/* The decoder finds a slot's symbol in a table of BUCKETS buckets per model: a bucket's entry
+ * names the symbol at its start, the next symbol and where that one starts, so one load and
+ * one comparison decode a symbol; buckets that hold two or more boundaries (only symbols of
+ * frequency below the bucket width, rare) say so and take the full search. */
+#define BUCKET_BITS 8
+#define BUCKETS (1u << BUCKET_BITS)
+#define BUCKET_SHIFT (PROB_BITS - BUCKET_BITS)
+#define BUCKET_SEARCH 0xFFu
+#define REC_WORDS (BUCKETS + KVN_CTX_SYMBOLS)
+#define FC(m, model, s) ((m)->rec[(size_t)(model) * REC_WORDS + BUCKETS + (s)])
 
 typedef struct {
     unsigned width, ebits, mbits;
@@ -58,14 +74,39 @@ static const family FAMILIES[KVN_NDTYPES] = {
 struct kvn_ctx_model {
     int classes, contexts, start_context;
     int class_model, ref_model; /* the models of the side information */
-    uint32_t *fc;               /* per model and symbol: freq | cum << 16 */
+    uint32_t *rec;              /* per model REC_WORDS words: its buckets (bucket_entry), then per symbol freq | cum << 16 */
+    uint64_t *rcp;              /* per model and symbol: ceil(2^47 / freq), 0 for frequency 0 */
     int16_t *search;            /* per model: cum[i] ^ 0x8000, signed-comparable */
     int16_t *coarse;            /* per model: search[0], search[8], ..., search[56] */
     int16_t *cost;              /* [contexts * 64][COST_LANES]: classes' costs, zero padded */
     int32_t class_cost[KVN_CTX_MAX_CLASSES];
     uint8_t context_of[KVN_CTX_SYMBOLS];
+    /* the record offset each symbol's context adds for the next token; [64]: the start context's */
+    uint32_t context_off[KVN_CTX_SYMBOLS + 1];
+    int avx2;                   /* the AVX2 row decoder runs here */
+    uint32_t refill[256 * 8];   /* per mask of renormalising lanes: which word each lane takes */
     uint8_t tag[4];
 };
+
+/* The symbol whose interval holds `slot`. */
+static unsigned symbol_at(const uint16_t *cum, const uint16_t *freq, uint32_t slot) {
+    unsigned s = 0;
+    while (s + 1 < KVN_CTX_SYMBOLS && cum[s + 1] <= slot) s++;
+    (void)freq;
+    return s;
+}
+
+/* A bucket's entry: first symbol | second symbol << 8 | second's start << 16, the second being
+ * the first's successor inside the bucket (or the first itself, starting past every slot);
+ * second == BUCKET_SEARCH when the bucket holds more than one boundary. */
+static uint32_t bucket_entry(const uint16_t *cum, const uint16_t *freq, uint32_t b) {
+    uint32_t lo = b << BUCKET_SHIFT, hi = lo + (1u << BUCKET_SHIFT) - 1;
+    unsigned first = symbol_at(cum, freq, lo), last = symbol_at(cum, freq, hi);
+    if (first == last) return first | first << 8 | 0x8000u << 16;
+    unsigned second = symbol_at(cum, freq, cum[first] + freq[first]);
+    if (second != last) return first | BUCKET_SEARCH << 8;
+    return first | second << 8 | (uint32_t)cum[second] << 16;
+}
 
 kvn_ctx_model *kvn_ctx_model_new(int classes, int contexts, int start_context, const uint16_t *freq,
                                  const uint16_t *cum, const int32_t *cost, const int32_t *class_cost,
@@ -89,11 +130,12 @@ kvn_ctx_model *kvn_ctx_model_new(int classes, int contexts, int start_context, c
         if (cost[i] < 0 || cost[i] > 8 * PROB_BITS) return NULL;
     kvn_ctx_model *m = calloc(1, sizeof(*m));
     if (!m) return NULL;
-    m->fc = malloc(models * KVN_CTX_SYMBOLS * sizeof(uint32_t));
+    m->rec = malloc(models * REC_WORDS * sizeof(uint32_t));
+    m->rcp = malloc(models * KVN_CTX_SYMBOLS * sizeof(uint64_t));
     m->search = malloc(models * KVN_CTX_SYMBOLS * sizeof(int16_t));
     m->coarse = malloc(models * 8 * sizeof(int16_t));
     m->cost = calloc((size_t)contexts * KVN_CTX_SYMBOLS * COST_LANES, sizeof(int16_t));
-    if (!m->fc || !m->search || !m->coarse || !m->cost) {
+    if (!m->rec || !m->rcp || !m->search || !m->coarse || !m->cost) {
         kvn_ctx_model_free(m);
         return NULL;
     }
@@ -103,22 +145,36 @@ kvn_ctx_model *kvn_ctx_model_new(int classes, int contexts, int start_context, c
     m->class_model = classes * contexts;
     m->ref_model = classes * contexts + 1;
     for (size_t i = 0; i < models * KVN_CTX_SYMBOLS; i++) {
-        m->fc[i] = freq[i] | (uint32_t)cum[i] << 16;
+        FC(m, i / KVN_CTX_SYMBOLS, i % KVN_CTX_SYMBOLS) = freq[i] | (uint32_t)cum[i] << 16;
+        m->rcp[i] = freq[i] ? ((1ull << 47) + freq[i] - 1) / freq[i] : 0;
         m->search[i] = (int16_t)(cum[i] ^ 0x8000u);
     }
     for (size_t k = 0; k < models; k++)
         for (int g = 0; g < 8; g++) m->coarse[k * 8 + g] = m->search[k * KVN_CTX_SYMBOLS + 8 * g];
+    for (size_t k = 0; k < models; k++)
+        for (uint32_t b = 0; b < BUCKETS; b++)
+            m->rec[k * REC_WORDS + b] = bucket_entry(cum + k * KVN_CTX_SYMBOLS, freq + k * KVN_CTX_SYMBOLS, b);
     for (size_t r = 0; r < (size_t)contexts * KVN_CTX_SYMBOLS; r++)
         for (int k = 0; k < classes; k++) m->cost[r * COST_LANES + k] = (int16_t)cost[r * (size_t)classes + (size_t)k];
     memcpy(m->class_cost, class_cost, (size_t)classes * sizeof(int32_t));
     memcpy(m->context_of, context_of, KVN_CTX_SYMBOLS);
+    for (int sym = 0; sym < KVN_CTX_SYMBOLS; sym++) m->context_off[sym] = (uint32_t)context_of[sym] * REC_WORDS;
+    m->context_off[KVN_CTX_SYMBOLS] = (uint32_t)start_context * REC_WORDS;
+    for (unsigned mask = 0; mask < 256; mask++)
+        for (unsigned lane = 0; lane < 8; lane++)
+            m->refill[mask * 8 + lane] = (uint32_t)__builtin_popcount(mask & ((1u << lane) - 1));
+#ifdef KVN_AVX2_ROWS
+    __builtin_cpu_init();
+    m->avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+#endif
     memcpy(m->tag, tag, 4);
     return m;
 }
 
 void kvn_ctx_model_free(kvn_ctx_model *m) {
     if (!m) return;
-    free(m->fc);
+    free(m->rec);
+    free(m->rcp);
     free(m->search);
     free(m->coarse);
     free(m->cost);
@@ -214,16 +270,18 @@ static int find_repeats(const kvn_block *b, const uint8_t *src, unsigned width, 
 
 /* ---- encode --------------------------------------------------------------------------- */
 
-/* Code one symbol (its freq | cum << 16) with state *x, renormalising into the words below *words. */
-KVN_INLINE void rans_put(uint32_t *x, uint32_t fc, uint8_t **words) {
+/* Code one symbol (its freq | cum << 16, and rcp = ceil(2^47 / freq)) with state *x, renormalising
+ * into the words below *words. The word is written whether it is needed or not (below the stream,
+ * where the next word goes), so nothing branches on the state; x / freq is one multiplication,
+ * exact for x < 2^32 and freq <= 2^15. */
+KVN_INLINE void rans_put(uint32_t *x, uint32_t fc, uint64_t rcp, uint8_t **words) {
     uint32_t f = fc & 0xFFFF, v = *x;
-    if (v >= f << (32 - PROB_BITS)) {
-        *words -= 2;
-        (*words)[0] = (uint8_t)v;
-        (*words)[1] = (uint8_t)(v >> 8);
-        v >>= 16;
-    }
-    uint32_t q = v / f;
+    uint32_t need = v >= f << (32 - PROB_BITS);
+    (*words)[-2] = (uint8_t)v;
+    (*words)[-1] = (uint8_t)(v >> 8);
+    *words -= 2 * need;
+    v >>= 16 * need;
+    uint32_t q = (uint32_t)(((unsigned __int128)v * rcp) >> 47);
     *x = (q << PROB_BITS) + (v - q * f) + (fc >> 16);
 }
 
@@ -343,57 +401,69 @@ static void escapes_and_raw(const kvn_block *b, const uint8_t *src, const uint8_
     }
 }
 
-/* Encode the coded values of row (t, h) backwards; the row's first symbol has index i0. */
-KVN_INLINE void put_row(const kvn_ctx_model *m, const uint8_t *s, const uint8_t *prev, const uint8_t *cls, size_t c0,
-                        size_t D, size_t i0, uint32_t *x, uint8_t **words) {
-    const uint32_t *restrict fc = m->fc;
-    size_t X = (size_t)m->contexts;
-    for (size_t d = D; d-- > 0;) {
-        size_t c = c0 + d, ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
-        rans_put(&x[(i0 + d) % STATES], fc[((size_t)cls[c] * X + ctx) * KVN_CTX_SYMBOLS + s[c]], words);
-    }
-}
+#define RCP(m, model, s) ((m)->rcp[(size_t)(model) * KVN_CTX_SYMBOLS + (s)])
 
-/* The same when the row's symbols start on state 0 and fill whole rounds of the eight states:
- * every state index is a constant and the states stay in registers. */
-KVN_INLINE void put_row8(const kvn_ctx_model *m, const uint8_t *s, const uint8_t *prev, const uint8_t *cls, size_t c0,
-                         size_t D, uint32_t *x, uint8_t **words) {
-    const uint32_t *restrict fc = m->fc;
-    size_t X = (size_t)m->contexts;
-    for (size_t d = D; d > 0;) {
-        d -= STATES;
-#pragma GCC unroll 8
-        for (int k = STATES - 1; k >= 0; k--) {
-            size_t c = c0 + d + (size_t)k, ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
-            rans_put(&x[k], fc[((size_t)cls[c] * X + ctx) * KVN_CTX_SYMBOLS + s[c]], words);
+/* The coded values, backwards, when every row's symbols fill whole rounds of the states starting
+ * on state 0 (dim a multiple of 16, as in the common geometries): each state index is a constant,
+ * so the states stay in registers. */
+KVN_MULTIVERSION
+static void put_values_aligned(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
+                               const uint8_t *cls, uint32_t *xs, uint8_t **words_) {
+    size_t H = b->heads, D = b->dim, C = H * D, X = (size_t)m->contexts, start = (size_t)m->start_context;
+    uint32_t x[STATES];
+    memcpy(x, xs, sizeof(x));
+    uint8_t *words = *words_;
+    for (size_t t = b->tokens; t-- > 0;) {
+        const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
+        for (size_t h = H; h-- > 0;) {
+            if (back[t * H + h]) continue;
+            for (size_t d = (h + 1) * D; d > h * D;) {
+                d -= STATES;
+#define PUT(k)                                                                                    \
+    do {                                                                                          \
+        size_t c = d + (k), model = (size_t)cls[c] * X + (prev ? m->context_of[prev[c]] : start); \
+        rans_put(&x[k], FC(m, model, s[c]), RCP(m, model, s[c]), &words);                         \
+    } while (0)
+                PUT(15); PUT(14); PUT(13); PUT(12); PUT(11); PUT(10); PUT(9); PUT(8);
+                PUT(7); PUT(6); PUT(5); PUT(4); PUT(3); PUT(2); PUT(1); PUT(0);
+#undef PUT
+            }
         }
     }
+    memcpy(xs, x, sizeof(x));
+    *words_ = words;
 }
 
 /* The rANS stream, written backwards from `end`; returns its first byte. */
 KVN_MULTIVERSION
 static uint8_t *encode_stream(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
                               const uint8_t *cls, const uint32_t *refs, uint32_t base, size_t n_coded, uint8_t *end) {
-    size_t H = b->heads, D = b->dim, C = H * D;
+    size_t H = b->heads, D = b->dim, C = H * D, X = (size_t)m->contexts;
     uint32_t x[STATES];
     for (int j = 0; j < STATES; j++) x[j] = RANS_LOW;
     uint8_t *words = end;
-    size_t i = 2 * C + n_coded;
-    int aligned = D % STATES == 0 && (2 * C) % STATES == 0;
-    for (size_t t = b->tokens; t-- > 0;) {
-        const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
-        for (size_t h = H; h-- > 0;) {
-            if (back[t * H + h]) continue;
-            i -= D;
-            if (aligned) put_row8(m, s, prev, cls, h * D, D, x, &words);
-            else put_row(m, s, prev, cls, h * D, D, i, x, &words);
+    if (D % STATES == 0 && (2 * C) % STATES == 0) {
+        put_values_aligned(m, b, sym, back, cls, x, &words);
+    } else {
+        size_t i = 2 * C + n_coded;
+        for (size_t t = b->tokens; t-- > 0;) {
+            const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
+            for (size_t h = H; h-- > 0;) {
+                if (back[t * H + h]) continue;
+                for (size_t c = (h + 1) * D; c-- > h * D;) {
+                    size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
+                    size_t model = (size_t)cls[c] * X + ctx;
+                    i--;
+                    rans_put(&x[i % STATES], FC(m, model, s[c]), RCP(m, model, s[c]), &words);
+                }
+            }
         }
     }
     for (size_t c = C; c-- > 0;) {
         uint32_t offset = refs[c] - base;
         offset = offset < REF_SYMBOLS - 1 ? offset : REF_SYMBOLS - 1;
-        rans_put(&x[(2 * c + 1) % STATES], m->fc[(size_t)m->ref_model * KVN_CTX_SYMBOLS + offset], &words);
-        rans_put(&x[(2 * c) % STATES], m->fc[(size_t)m->class_model * KVN_CTX_SYMBOLS + cls[c]], &words);
+        rans_put(&x[(2 * c + 1) % STATES], FC(m, m->ref_model, offset), RCP(m, m->ref_model, offset), &words);
+        rans_put(&x[(2 * c) % STATES], FC(m, m->class_model, cls[c]), RCP(m, m->class_model, cls[c]), &words);
     }
     uint8_t *p = words - 4 * STATES;
     for (int j = 0; j < STATES; j++) kvn_wr32(p + 4 * j, x[j]);
@@ -516,17 +586,27 @@ KVN_INLINE unsigned find_symbol(const int16_t *coarse, const int16_t *search, ui
 }
 
 /* The decoder's tables, copied out of the model so that the compiler knows the stores of
- * decoded bytes do not change them. */
+ * decoded bytes do not change them. A model is addressed by the offset of its record in
+ * `rec` (REC_WORDS words per model): a channel's class gives one part, its context the other. */
 typedef struct {
     const int16_t *coarse, *search;
-    const uint32_t *fc;
+    const uint32_t *rec;
 } dec_tables;
 
-/* Decode one symbol with model `model` and state *x; *pos moves over the words. */
-KVN_INLINE unsigned rans_get(dec_tables t, uint32_t *x, size_t model, const uint8_t *words, size_t *pos) {
+
+
+/* Decode one symbol with the model at record offset `off` and state *x; *pos moves over the words. */
+KVN_INLINE unsigned rans_get(dec_tables t, uint32_t *x, size_t off, const uint8_t *words, size_t *pos) {
     uint32_t v = *x, slot = v & PROB_MASK;
-    unsigned s = find_symbol(t.coarse + model * 8, t.search + model * KVN_CTX_SYMBOLS, slot);
-    uint32_t fc = t.fc[model * KVN_CTX_SYMBOLS + s];
+    const uint32_t *rec = t.rec + off;
+    uint32_t e = rec[slot >> BUCKET_SHIFT];
+    uint32_t first = e & 0xFF, second = (e >> 8) & 0xFF;
+    unsigned s = first + ((second - first) & (0u - (uint32_t)(slot >= e >> 16)));
+    if (__builtin_expect(second == BUCKET_SEARCH, 0)) {
+        size_t model = off / REC_WORDS;
+        s = find_symbol(t.coarse + model * 8, t.search + model * KVN_CTX_SYMBOLS, slot);
+    }
+    uint32_t fc = rec[BUCKETS + s];
     v = (fc & 0xFFFF) * (v >> PROB_BITS) + slot - (fc >> 16);
     uint32_t word = (uint32_t)words[*pos] | (uint32_t)words[*pos + 1] << 8;
     uint32_t need = v < RANS_LOW; /* about one symbol in four: arithmetic, not a branch */
@@ -536,7 +616,7 @@ KVN_INLINE unsigned rans_get(dec_tables t, uint32_t *x, size_t model, const uint
 }
 
 static dec_tables tables_of(const kvn_ctx_model *m) {
-    dec_tables t = {m->coarse, m->search, m->fc};
+    dec_tables t = {m->coarse, m->search, m->rec};
     return t;
 }
 
@@ -546,7 +626,8 @@ typedef struct {
     const uint16_t *esc;
     size_t n_esc;
     const uint8_t *raw;
-    const uint32_t *model_base; /* per channel: its class's first model */
+    const uint32_t *class_off; /* per channel: the record offset of its class's first model */
+    const uint16_t *refs16;    /* the references again, 16 bits each */
 } layout;
 
 /* The values of a coded row from its symbols; *ei and *bit advance over the escapes and raw bits. */
@@ -571,46 +652,151 @@ KVN_INLINE int put_values(const layout *l, const split *sp, const uint8_t *syms,
     return bad ? KVN_ERR_CORRUPT : KVN_OK;
 }
 
+/* A row whose symbols fill whole rounds of the states, starting on state 0 (the common geometry:
+ * dim a multiple of 16): the state of each symbol is a constant. */
+KVN_INLINE void rans_row(dec_tables tab, const uint32_t *restrict class_off, uint32_t *restrict cx,
+                         const uint32_t *restrict context_off, uint8_t *restrict syms, size_t D, uint32_t *x,
+                         const uint8_t *words, size_t *pos) {
+    for (size_t d = 0; d < D; d += STATES) {
+#pragma GCC unroll 16
+        for (int k = 0; k < STATES; k++) {
+            unsigned s = rans_get(tab, &x[k], class_off[d + k] + cx[d + k], words, pos);
+            cx[d + k] = context_off[s];
+            syms[d + k] = (uint8_t)s;
+        }
+    }
+}
+
+#ifdef KVN_AVX2_ROWS
+
+/* rans_row with AVX2: states 0-7 and 8-15 are two vectors, each decoding eight channels at once.
+ * Words are handed to the lanes that renormalise in lane order, as the scalar decoder reads them. */
+__attribute__((target("avx2,popcnt"))) static void rans_row_avx2(
+    dec_tables tab, const uint32_t *restrict class_off, uint32_t *restrict cx, const uint32_t *restrict context_off,
+    uint8_t *restrict syms, size_t D, uint32_t *x, const uint8_t *words, size_t *pos_, const uint32_t *refill) {
+    const __m256i slot_mask = _mm256_set1_epi32(PROB_MASK), byte = _mm256_set1_epi32(0xFF);
+    const __m256i low = _mm256_set1_epi32(0xFFFF), search = _mm256_set1_epi32(BUCKET_SEARCH);
+    const __m256i to_fc = _mm256_set1_epi32(BUCKETS), one = _mm256_set1_epi32(1);
+    const int *rec = (const int *)tab.rec;
+    size_t pos = *pos_;
+    __m256i xs[2] = {_mm256_loadu_si256((const __m256i *)x), _mm256_loadu_si256((const __m256i *)(x + 8))};
+    for (size_t d = 0; d < D; d += 8) {
+        __m256i v = xs[(d >> 3) & 1];
+        __m256i slot = _mm256_and_si256(v, slot_mask);
+        __m256i off = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(class_off + d)),
+                                       _mm256_loadu_si256((const __m256i *)(cx + d)));
+        __m256i e = _mm256_i32gather_epi32(rec, _mm256_add_epi32(off, _mm256_srli_epi32(slot, BUCKET_SHIFT)), 4);
+        __m256i first = _mm256_and_si256(e, byte), second = _mm256_and_si256(_mm256_srli_epi32(e, 8), byte);
+        __m256i take = _mm256_cmpgt_epi32(_mm256_add_epi32(slot, one), _mm256_srli_epi32(e, 16));
+        __m256i s = _mm256_add_epi32(first, _mm256_and_si256(_mm256_sub_epi32(second, first), take));
+        unsigned hard = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(second, search)));
+        if (__builtin_expect(hard != 0, 0)) {
+            uint32_t sv[8], slots[8], offs[8];
+            _mm256_storeu_si256((__m256i *)sv, s);
+            _mm256_storeu_si256((__m256i *)slots, slot);
+            _mm256_storeu_si256((__m256i *)offs, off);
+            for (; hard; hard &= hard - 1) {
+                int k = __builtin_ctz(hard);
+                size_t model = offs[k] / REC_WORDS;
+                sv[k] = find_symbol(tab.coarse + model * 8, tab.search + model * KVN_CTX_SYMBOLS, slots[k]);
+            }
+            s = _mm256_loadu_si256((const __m256i *)sv);
+        }
+        __m256i fc = _mm256_i32gather_epi32(rec, _mm256_add_epi32(_mm256_add_epi32(off, to_fc), s), 4);
+        v = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_and_si256(fc, low), _mm256_srli_epi32(v, PROB_BITS)),
+                             _mm256_sub_epi32(slot, _mm256_srli_epi32(fc, 16)));
+        __m256i need = _mm256_cmpeq_epi32(_mm256_min_epu32(v, low), v);
+        unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(need));
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(words + pos)));
+        w = _mm256_permutevar8x32_epi32(w, _mm256_loadu_si256((const __m256i *)(refill + 8 * mask)));
+        v = _mm256_blendv_epi8(v, _mm256_or_si256(_mm256_slli_epi32(v, 16), w), need);
+        pos += 2 * (size_t)__builtin_popcount(mask);
+        xs[(d >> 3) & 1] = v;
+        _mm256_storeu_si256((__m256i *)(cx + d), _mm256_i32gather_epi32((const int *)context_off, s, 4));
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        _mm_storel_epi64((__m128i *)(syms + d), _mm_packus_epi16(packed, packed));
+    }
+    _mm256_storeu_si256((__m256i *)x, xs[0]);
+    _mm256_storeu_si256((__m256i *)(x + 8), xs[1]);
+    *pos_ = pos;
+}
+
+/* put_values for bf16 (6 raw bits a value) with AVX2, 16 values at a time; a group holding an
+ * escape takes the scalar path. The raw bits of a group start on a byte (16 x 6 bits = 12 bytes). */
+__attribute__((target("avx2"))) static int put_values_bf16_avx2(const layout *l, const split *sp, const uint8_t *syms,
+                                                               size_t c0, size_t D, size_t *ei, size_t *bit,
+                                                               uint8_t *row) {
+    /* bytes 3g..3g+2 hold values 4g..4g+3; each 16-bit lane takes the two bytes its 6 bits start in,
+     * and a multiply moves its bits to the top of the lane */
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 1, 2, 2, 3, 3, 4, 3, 4, 4, 5, 5, 6,
+                                            6, 7, 6, 7, 7, 8, 8, 9, 9, 10, 9, 10, 10, 11, 11, 12);
+    const __m256i scale = _mm256_setr_epi16(1 << 10, 1 << 4, 1 << 6, 1 << 8, 1 << 10, 1 << 4, 1 << 6, 1 << 8,
+                                            1 << 10, 1 << 4, 1 << 6, 1 << 8, 1 << 10, 1 << 4, 1 << 6, 1 << 8);
+    const __m256i q_mask = _mm256_set1_epi16(LEVELS - 1), bias = _mm256_set1_epi16(LOW - 1);
+    const __m256i outside = _mm256_set1_epi16((short)~sp->level_mask);
+    __m256i bad = _mm256_setzero_si256();
+    for (size_t d = 0; d < D; d += 16) {
+        __m256i s = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(syms + d)));
+        __m256i q = _mm256_and_si256(s, q_mask);
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(q, _mm256_setzero_si256()))) {
+            if (put_values(l, sp, syms + d, l->refs + c0 + d, 16, ei, bit, row + 2 * d, 2)) return KVN_ERR_CORRUPT;
+            continue;
+        }
+        __m256i level = _mm256_add_epi16(_mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(l->refs16 + c0 + d)), q), bias);
+        bad = _mm256_or_si256(bad, _mm256_and_si256(level, outside));
+        __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(l->raw + (*bit >> 3))));
+        __m256i raw = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, spread), scale), 10);
+        __m256i v = _mm256_or_si256(_mm256_slli_epi16(_mm256_srli_epi16(s, 5), 15),
+                                    _mm256_or_si256(_mm256_slli_epi16(level, 6), raw));
+        _mm256_storeu_si256((__m256i *)(row + 2 * d), v);
+        *bit += 96;
+    }
+    return _mm256_testz_si256(bad, bad) ? KVN_OK : KVN_ERR_CORRUPT;
+}
+#endif
+
 KVN_INLINE int decode_values_w(const kvn_ctx_model *m, const kvn_block *b, const layout *l, const split *sp,
-                               uint32_t *x, word_reader *r, uint8_t *ctx, uint8_t *syms, uint8_t *dst, unsigned width) {
+                               uint32_t *x, word_reader *r, uint32_t *ctx, uint8_t *syms, uint8_t *dst, unsigned width) {
     size_t H = b->heads, D = b->dim, C = H * D;
     size_t i = 2 * C, ei = 0, bit = 0, pos = r->pos, len = r->len;
-    (void)len;
     const uint8_t *words = r->words;
     int aligned = D % STATES == 0 && (2 * C) % STATES == 0;
     const dec_tables tab = tables_of(m);
-    uint8_t context_of[KVN_CTX_SYMBOLS];
-    memcpy(context_of, m->context_of, KVN_CTX_SYMBOLS);
     const layout lay = *l;
     const split spl = *sp;
     int rc = KVN_OK;
-    for (size_t c = 0; c < C; c++) ctx[c] = (uint8_t)m->start_context;
+#ifdef KVN_AVX2_ROWS
+    int avx2_rows = aligned && m->avx2, avx2_values = avx2_rows && width == 2 && spl.raw_bits == 6;
+#endif
+    for (size_t c = 0; c < C; c++) ctx[c] = m->context_off[KVN_CTX_SYMBOLS]; /* the start context */
     for (size_t t = 0; t < b->tokens; t++)
         for (size_t h = 0; h < H; h++) {
             uint8_t *row = dst + (h * b->head_stride + t * D) * width;
-            const uint32_t *restrict refs = lay.refs + h * D, *restrict base = lay.model_base + h * D;
-            uint8_t *restrict cx = ctx + h * D;
+            const uint32_t *restrict refs = lay.refs + h * D, *restrict class_off = lay.class_off + h * D;
+            uint32_t *restrict cx = ctx + h * D;
             uint32_t back = lay.back[t * H + h];
             if (back) {
                 if (back > t) { rc = KVN_ERR_CORRUPT; goto out; }
                 memcpy(row, row - (size_t)back * D * width, D * width);
-                for (size_t d = 0; d < D; d++) cx[d] = context_of[symbol_of(load(row + d * width, width), refs[d], &spl)];
+                for (size_t d = 0; d < D; d++) cx[d] = m->context_off[symbol_of(load(row + d * width, width), refs[d], &spl)];
                 continue;
             }
             if (pos > len) { rc = KVN_ERR_CORRUPT; goto out; }
+#ifdef KVN_AVX2_ROWS
+            if (avx2_rows) {
+                rans_row_avx2(tab, class_off, cx, m->context_off, syms, D, x, words, &pos, m->refill);
+                int bad = avx2_values ? put_values_bf16_avx2(&lay, &spl, syms, h * D, D, &ei, &bit, row)
+                                      : put_values(&lay, &spl, syms, refs, D, &ei, &bit, row, width);
+                if (bad) { rc = KVN_ERR_CORRUPT; goto out; }
+                continue;
+            }
+#endif
             if (aligned) {
-                for (size_t d = 0; d < D; d += STATES) {
-#pragma GCC unroll 8
-                    for (int k = 0; k < STATES; k++) {
-                        unsigned s = rans_get(tab, &x[k], base[d + k] + cx[d + k], words, &pos);
-                        cx[d + k] = context_of[s];
-                        syms[d + k] = (uint8_t)s;
-                    }
-                }
+                rans_row(tab, class_off, cx, m->context_off, syms, D, x, words, &pos);
             } else {
                 for (size_t d = 0; d < D; d++, i++) {
-                    unsigned s = rans_get(tab, &x[i % STATES], base[d] + cx[d], words, &pos);
-                    cx[d] = context_of[s];
+                    unsigned s = rans_get(tab, &x[i % STATES], class_off[d] + cx[d], words, &pos);
+                    cx[d] = m->context_off[s];
                     syms[d] = (uint8_t)s;
                 }
             }
@@ -624,7 +810,7 @@ out:
 
 KVN_MULTIVERSION
 static int decode_values(const kvn_ctx_model *m, const kvn_block *b, const layout *l, const split *sp, uint32_t *x,
-                         word_reader *r, uint8_t *ctx, uint8_t *syms, uint8_t *dst) {
+                         word_reader *r, uint32_t *ctx, uint8_t *syms, uint8_t *dst) {
     uint32_t s[STATES];  /* a local copy the compiler can keep in registers */
     memcpy(s, x, sizeof(s));
     int rc;
@@ -673,10 +859,10 @@ int kvn_ctx_decode(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *sr
     const uint8_t *p = src + HEAD_SIZE, *end = src + len;
     uint32_t *back = calloc(T * H, sizeof(uint32_t));
     uint32_t *refs = malloc(C * sizeof(uint32_t));
-    uint32_t *model_base = malloc(C * sizeof(uint32_t));
-    uint16_t *esc = malloc((n_esc ? n_esc : 1) * sizeof(uint16_t));
-    uint8_t *ctx = malloc(2 * C), *words = NULL;
-    if (!back || !refs || !model_base || !esc || !ctx) { rc = KVN_ERR_NOMEM; goto done; }
+    uint32_t *class_off = malloc(C * sizeof(uint32_t)), *ctx = malloc(C * sizeof(uint32_t));
+    uint16_t *esc = malloc((n_esc ? n_esc : 1) * sizeof(uint16_t)), *refs16 = malloc(C * sizeof(uint16_t));
+    uint8_t *syms = malloc(D + 16), *words = NULL;
+    if (!back || !refs || !class_off || !ctx || !esc || !refs16 || !syms) { rc = KVN_ERR_NOMEM; goto done; }
     size_t repeated = 0;
     if (flags & FLAG_REPEATS) {
         if ((size_t)(end - p) < 4 || kvn_rd32(p) > (size_t)(end - p) - 4) { rc = KVN_ERR_CORRUPT; goto done; }
@@ -692,11 +878,11 @@ int kvn_ctx_decode(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *sr
     }
     for (size_t k = 0; k < n_esc; k++) esc[k] = (uint16_t)(p[2 * k] | p[2 * k + 1] << 8);
     p += 2 * n_esc;
-    layout l = {back, refs, esc, n_esc, p, model_base};
+    layout l = {back, refs, esc, n_esc, p, class_off, refs16};
     p += raw_len;
     uint32_t x[STATES];
     for (int j = 0; j < STATES; j++) x[j] = kvn_rd32(p + 4 * j);
-    size_t n_words = stream_len - 4 * STATES, pad = 2 * (D > 2 ? D : 2) + 2;
+    size_t n_words = stream_len - 4 * STATES, pad = 2 * (D > 2 ? D : 2) + 32;
     words = malloc(n_words + pad);
     if (!words) { rc = KVN_ERR_NOMEM; goto done; }
     memcpy(words, p + 4 * STATES, n_words);
@@ -706,28 +892,31 @@ int kvn_ctx_decode(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *sr
     size_t ei = 0;
     for (size_t c = 0; c < C; c++) {
         if (r.pos > r.len) { rc = KVN_ERR_CORRUPT; goto done; }
-        unsigned cls = rans_get(tables_of(m), &x[(2 * c) % STATES], (size_t)m->class_model, r.words, &r.pos);
-        unsigned offset = rans_get(tables_of(m), &x[(2 * c + 1) % STATES], (size_t)m->ref_model, r.words, &r.pos);
+        unsigned cls = rans_get(tables_of(m), &x[(2 * c) % STATES], (size_t)m->class_model * REC_WORDS, r.words, &r.pos);
+        unsigned offset = rans_get(tables_of(m), &x[(2 * c + 1) % STATES], (size_t)m->ref_model * REC_WORDS, r.words, &r.pos);
         uint32_t ref;
         if (offset < REF_SYMBOLS - 1) ref = base + offset;
         else if (ei < n_esc) ref = esc[ei++];
         else { rc = KVN_ERR_CORRUPT; goto done; }
         if (ref > sp.level_mask) { rc = KVN_ERR_CORRUPT; goto done; }
         refs[c] = ref;
-        model_base[c] = cls * (uint32_t)m->contexts;
+        refs16[c] = (uint16_t)ref;
+        class_off[c] = cls * (uint32_t)m->contexts * REC_WORDS;
     }
     l.esc += ei;
     l.n_esc -= ei;
-    rc = decode_values(m, b, &l, &sp, x, &r, ctx, ctx + C, dst);
+    rc = decode_values(m, b, &l, &sp, x, &r, ctx, syms, dst);
     if (!rc && r.pos != r.len) rc = KVN_ERR_CORRUPT;
     for (int j = 0; j < STATES && !rc; j++)
         if (x[j] != RANS_LOW) rc = KVN_ERR_CORRUPT;
 done:
     free(back);
     free(refs);
-    free(model_base);
-    free(esc);
+    free(class_off);
     free(ctx);
+    free(esc);
+    free(refs16);
+    free(syms);
     free(words);
     return rc;
 }

@@ -30,7 +30,7 @@ from kvtool.modeldict.format import LEVELS, LOW, PROB_BITS, REF_SYMBOLS, SYMBOLS
 VERSION = 1
 HEAD = struct.Struct("<BB4sHII")  # version, flags, dictionary tag, base reference, escapes, rANS bytes
 FLAG_REPEATS = 1
-STATES = 8
+STATES = 16
 RANS_LOW = 1 << 16
 
 
