@@ -3,10 +3,12 @@
     python run_vllm.py SPEC.json
 
 SPEC: {"model": DIR, "store": URL or null (no connector), "overlap": true|false|null,
-       "max_tokens": 16, "steps": [{"prompt_file": F, "suffix": S, "salt": null, "corrupt_dir": null}]}
+       "prefix_caching": false, "max_tokens": 16,
+       "steps": [{"prompt_file": F, "suffix": S, "salt": null, "corrupt_dir": null}]}
 Each step's result line is ``RESULT {"tokens": [...], "seconds": ...}`` on stdout.
 ``corrupt_dir`` flips one byte in every stored entry under it before the step runs.
-vLLM's own prefix cache is off, so a reused prefix can only come from kvtool.
+vLLM's own prefix cache is off unless "prefix_caching" is true, so a reused
+prefix can only come from kvtool.
 Run with VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU build otherwise puts its
 scheduler and worker in two processes, which a file store cannot be shared by.
 """
@@ -35,12 +37,12 @@ def main() -> None:
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     kvlog = logging.getLogger("kvtool")
     kvlog.addHandler(handler)
-    kvlog.setLevel(logging.INFO)
+    kvlog.setLevel(logging.DEBUG)  # per-request restore lines are DEBUG
 
     from vllm import LLM, SamplingParams
 
     options = dict(
-        model=spec["model"], max_model_len=4096, enforce_eager=True, enable_prefix_caching=False,
+        model=spec["model"], max_model_len=4096, enforce_eager=True, enable_prefix_caching=bool(spec.get("prefix_caching")),
         distributed_executor_backend="uni", dtype="bfloat16", seed=0,
     )
     if spec.get("store"):
