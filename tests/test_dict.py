@@ -119,6 +119,9 @@ def test_recipes_name_dictionaries_by_file_id_or_prefix(code_dict, tmp_path):
     for bad in ("ctxans:zz", "ctxans:abc", f"ctxans:{tmp_path / 'missing.kvd'}"):
         with pytest.raises(UsageError):
             get_codec(bad)
+    unknown = "0123456789" if not code_dict.id.startswith("0123456789") else "9876543210"
+    with pytest.raises(registry.MissingDictionaryError, match=unknown):
+        get_codec(f"ctxans:{unknown}")
 
 
 # -- the command line -------------------------------------------------------------------------

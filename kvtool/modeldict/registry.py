@@ -129,7 +129,9 @@ def resolve(arg: str) -> str:
     _scan_path()
     with _lock:
         matches = sorted(i for i in _known if i.startswith(arg))
-    if len(matches) != 1:
+    if not matches:
+        raise MissingDictionaryError(f"no known dictionary's id starts with {arg}: put its .kvd file on {PATH_VARIABLE} or name the file")
+    if len(matches) > 1:
         raise UsageError(f"dictionary id prefix {arg!r} matches {len(matches)} known dictionaries; give more digits")
     return matches[0]
 
