@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 
 import numpy as np
 import pytest
@@ -79,8 +80,10 @@ def test_report_shape(report):
     assert set(file["limits"]) == {"all", "k", "v"}
     for result in file["results"]:
         assert set(result["compress_mbps"]) == set(result["decompress_mbps"]) == {"1", "2"}
-        assert all(v > 0 for v in [*result["compress_mbps"].values(), *result["decompress_mbps"].values()])
-        assert result["compress_cpu_s_per_gb"] > 0 and result["decompress_cpu_s_per_gb"] > 0
+        # Speeds are measured and reported, never asserted: a stalled run on a loaded machine is still a report.
+        timings = [*result["compress_mbps"].values(), *result["decompress_mbps"].values(),
+                   result["compress_cpu_s_per_gb"], result["decompress_cpu_s_per_gb"]]
+        assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in timings)
 
 
 def _entropy(symbols: np.ndarray) -> float:

@@ -269,4 +269,3 @@ def test_stats_report_each_tier_and_add_up(tmp_path):
     total = merge(merge({"counts": {}, "samples": {}, "gauges": {}}, first), first)
     line = summary(total)
     assert (line["lookups"], line["fetch_ms_per_step"], line["restore_failures"]) == (4, 4.0, 0)
-
