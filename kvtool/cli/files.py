@@ -48,6 +48,9 @@ def compress(
     parsed = Recipe.parse(recipe or DEFAULT_RECIPE)
     _require_available(parsed.codec, *parsed.plane_codecs.values())
     api.save(cache, dst, parsed, chunk_tokens=chunk_tokens, threads=threads or None, progress=True)
+    if parsed.lossy:
+        with container.open_kvz(dst) as reader:
+            typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
 
 
 def decompress(
@@ -59,12 +62,14 @@ def decompress(
     threads: int = typer.Option(0, "--threads", "-t", help="Worker threads (0: one per core)."),
     max_size: str = typer.Option("16GiB", "--max-size", help="Refuse to produce more than this from a plain stream."),
 ):
-    """Decompress a .kvz back into a safetensors cache (bit-exact), or a plain stream into its bytes."""
+    """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
     existing_file(src)
     if container.is_kvz(src) and not codec:
         with container.open_kvz(src) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             cache = reader.read(parse_layers(layers), parse_tokens(tokens), threads or None, on_progress=bar.update)
         cache.save(dst)
+        if reader.lossy:
+            typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
         return
     if layers or tokens:
         raise UsageError("--layers and --tokens apply only to .kvz files")
@@ -86,11 +91,23 @@ def verify(
     existing_file(src)
     with container.open_kvz(src) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
-        report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full}
+        report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
+        note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""
     if json_out:
         print_json(report)
     else:
-        typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}")
+        typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}{note}")
+
+
+def lossy_note(reader: container.KvzReader) -> str:
+    """One line on what a lossy .kvz holds: its lossy stage and the largest error it measured when written."""
+    errors = reader.lossy["error"]
+    worst = max((e.get("max_abs", 0.0) for e in errors), default=0.0)
+    relative = max((e.get("rel_rms", 0.0) for e in errors), default=0.0)
+    return (
+        f"lossy recipe {reader.recipe.spec()!r}: the cache is an approximation "
+        f"(largest error {worst:.4g}; RMS error at most {100 * relative:.3g}% of a tensor's RMS)"
+    )
 
 
 def parse_layers(text: str | None) -> list[int] | None:
