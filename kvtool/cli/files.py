@@ -29,7 +29,10 @@ PATTERN_OPTION = typer.Option(
 def compress(
     src: Path = typer.Argument(..., help="A KV cache (.safetensors) or any file."),
     dst: Path = typer.Argument(..., help="Output: a .kvz for a KV cache, a plain codec stream otherwise."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=f"Recipe for a KV cache [default: {DEFAULT_RECIPE}]."),
+    recipe: Optional[str] = typer.Option(
+        None, "--recipe", "-r",
+        help=f"Recipe for a KV cache [default: {DEFAULT_RECIPE}]; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
+    ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
     chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
     threads: int = typer.Option(0, "--threads", "-t", help="Worker threads (0: one per core)."),

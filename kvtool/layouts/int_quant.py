@@ -171,12 +171,26 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     flat = codes.reshape(-1)
     if bits == 8:
         return flat.copy()
+    if 8 % bits == 0:  # whole codes per byte: shift them into place
+        per_byte = 8 // bits
+        padded = np.zeros(-(-flat.size // per_byte) * per_byte, np.uint8)
+        padded[: flat.size] = flat
+        lanes = padded.reshape(-1, per_byte) << _shifts(bits)
+        return np.bitwise_or.reduce(lanes, axis=1) if per_byte > 1 else lanes.reshape(-1)
     return np.packbits(np.unpackbits(flat[:, None], axis=1)[:, 8 - bits :])
 
 
 def _unpack(packed: np.ndarray, count: int, bits: int) -> np.ndarray:
     if bits == 8:
         return packed
+    if 8 % bits == 0:
+        lanes = (packed[:, None] >> _shifts(bits)) & np.uint8((1 << bits) - 1)
+        return lanes.reshape(-1)[:count]
     padded = np.zeros((count, 8), np.uint8)
     padded[:, 8 - bits :] = np.unpackbits(packed, count=count * bits).reshape(count, bits)
     return np.packbits(padded, axis=1).reshape(-1)
+
+
+def _shifts(bits: int) -> np.ndarray:
+    """Where each of a byte's codes sits, the first in the most significant bits."""
+    return np.arange(8 - bits, -1, -bits, dtype=np.uint8)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvtool.cache import dtype_of
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import LossyLayout, finite_values, int_param, ulp
-from kvtool.cache import dtype_of
 
 
 class MantRound(LossyLayout):

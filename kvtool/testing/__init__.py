@@ -17,6 +17,7 @@ from kvtool.testing.arraycodecs import ArrayCodecTests
 from kvtool.testing.codecs import CodecTests
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import LayoutTests
+from kvtool.testing.lossy import LossyLayoutTests
 from kvtool.testing.stores import BoundedStoreTests, StoreTests
 
-__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "StoreTests", "kv_like_bf16"]
+__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "LossyLayoutTests", "StoreTests", "kv_like_bf16"]
