@@ -127,8 +127,9 @@ class KvtoolConnector(KVConnectorBase_V1):
         if not single_process and not store.shared:
             shared_store.release(url)
             raise UsageError(f"store {store.describe()} is private to one process: {advice}")
-        log.info("kvtool store %s (%s side), recipe %s, %d blocks per entry", store.describe(),
-                 self.role.name.lower(), self._namer.recipe, self._per_entry)
+        lossy = " (lossy: restored prefixes are approximations)" if Recipe.parse(self._namer.recipe).lossy else ""
+        log.info("kvtool store %s (%s side), recipe %s%s, %d blocks per entry", store.describe(),
+                 self.role.name.lower(), self._namer.recipe, lossy, self._per_entry)
         return store
 
     # ==== scheduler side ==================================================================
