@@ -15,10 +15,10 @@ teacher-forced
     next-token distribution from the lossless one's (nats per token).
 greedy
     the lossless cache's greedy continuation of ``greedy`` tokens (decoded one
-    step at a time) is fed after the restored cache in one pass; the
-    identical length is how many of its tokens the lossy cache's own greedy
-    choice reproduces before the first difference, which is what decoding
-    greedily from the lossy cache and comparing would find.
+    step at a time) is fed after the restored cache and after the lossless one,
+    each in one pass; the identical length is the number of leading positions
+    where their top choices agree: how long greedy decoding from the restored
+    cache reproduces the lossless continuation.
 
 With ``split_kv`` each lossy recipe also runs with only its keys lossy, then
 only its values (the other half lossless). ``layers_of`` names one recipe to
@@ -162,6 +162,8 @@ class _Text:
         self.reference_top1 = reference.argmax(-1)
         self.reference_nll = float(-self.reference_logp[torch.arange(positions), self.targets].sum())
         self.greedy = engine.greedy(self.cache, tokens[prefix], greedy)
+        self.greedy_fed = [tokens[prefix], *self.greedy[:-1]]
+        self.greedy_top1 = engine.continuation_logits(self.cache, self.greedy_fed).argmax(-1)
 
     def sums(self, restored: KVCache) -> _Sums:
         torch = self.torch
@@ -177,10 +179,13 @@ class _Text:
         )
 
     def greedy_identical(self, restored: KVCache) -> int:
-        """How many of the lossless greedy tokens the restored cache's greedy choice reproduces before the first difference."""
-        fed = [self.fed[0], *self.greedy[:-1]]
-        chosen = self.engine.continuation_logits(restored, fed).argmax(-1).tolist()
-        return next((i for i, (a, b) in enumerate(zip(chosen, self.greedy)) if a != b), len(self.greedy))
+        """How many of the lossless greedy tokens the restored cache's greedy choice reproduces before the first difference.
+
+        Both caches are fed the lossless greedy continuation in one pass and
+        their top choices compared, so the lossless cache matches itself exactly.
+        """
+        chosen = self.engine.continuation_logits(restored, self.greedy_fed).argmax(-1)
+        return next((i for i, same in enumerate((chosen == self.greedy_top1).tolist()) if not same), len(self.greedy))
 
 
 def restore(cache: KVCache, recipe: str) -> tuple[KVCache, int, dict[str, Any] | None]:

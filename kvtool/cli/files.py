@@ -15,6 +15,7 @@ import typer
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
 from kvtool.cli._common import JSON_OPTION, existing_file, print_json, progress
+from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
@@ -100,17 +101,6 @@ def verify(
         print_json(report)
     else:
         typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}{note}")
-
-
-def lossy_note(reader: container.KvzReader) -> str:
-    """One line on what a lossy .kvz holds: its lossy stage and the largest error it measured when written."""
-    errors = reader.lossy["error"]
-    worst = max((e.get("max_abs", 0.0) for e in errors), default=0.0)
-    relative = max((e.get("rel_rms", 0.0) for e in errors), default=0.0)
-    return (
-        f"lossy recipe {reader.recipe.spec()!r}: the cache is an approximation "
-        f"(largest error {worst:.4g}; RMS error at most {100 * relative:.3g}% of a tensor's RMS)"
-    )
 
 
 def parse_layers(text: str | None) -> list[int] | None:

@@ -52,7 +52,7 @@ def kvz_report(reader: container.KvzReader, path: Path) -> dict[str, Any]:
         "type": KVZ_TYPE,
         "recipe": reader.recipe.spec(),
         "recipe_config": reader.recipe.to_config(),
-        "lossy": _lossy_report(reader),
+        "lossy": lossy_summary(reader),
         "model": reader.model.to_dict(),
         "layers": len(reader.layer_ids),
         "layer_ids": reader.layer_ids,
@@ -85,8 +85,8 @@ def _with_original_bytes(sizes: dict[str, Any], tensor_bytes: int) -> dict[str, 
     return sizes
 
 
-def _lossy_report(reader: container.KvzReader) -> dict[str, Any] | None:
-    """A lossy .kvz's stage, and the error it measured when written: per layer and K/V, and the largest."""
+def lossy_summary(reader: container.KvzReader) -> dict[str, Any] | None:
+    """A lossy .kvz's stage, and the error it measured when written: the largest, and per layer and K/V."""
     if reader.lossy is None:
         return None
     errors = reader.lossy["error"]
@@ -96,6 +96,15 @@ def _lossy_report(reader: container.KvzReader) -> dict[str, Any] | None:
         "rel_rms": max((e["rel_rms"] for e in errors), default=0.0),
         "error": errors,
     }
+
+
+def lossy_note(reader: container.KvzReader) -> str:
+    """One line on what a lossy .kvz holds, for the commands that read or write one."""
+    summary = lossy_summary(reader)
+    return (
+        f"lossy recipe {reader.recipe.spec()!r}: the cache is an approximation "
+        f"(largest error {summary['max_abs']:.4g}; RMS error at most {100 * summary['rel_rms']:.3g}% of a tensor's RMS)"
+    )
 
 
 def raw_cache_report(cache: KVCache, path: Path) -> dict[str, Any]:
