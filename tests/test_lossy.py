@@ -257,7 +257,9 @@ def test_cli_labels_lossy_files(samples, tmp_path):
 
     decompressed = runner.invoke(app, ["decompress", str(kvz), str(out)])
     assert decompressed.exit_code == 0 and "approximation" in decompressed.stderr
-    assert KVCache.load(out).num_tokens == KVCache.load(samples[0]).num_tokens
+    approx = KVCache.load(out)
+    assert approx.num_tokens == KVCache.load(samples[0]).num_tokens
+    assert approx.provenance["lossy_recipe"] == "fp8:e4m3|exphuff"
 
 
 def test_reorder_refuses_a_lossy_layout(samples, tmp_path):

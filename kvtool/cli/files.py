@@ -71,9 +71,10 @@ def decompress(
     if container.is_kvz(src) and not codec:
         with container.open_kvz(src) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             cache = reader.read(parse_layers(layers), parse_tokens(tokens), threads or None, on_progress=bar.update)
-        cache.save(dst)
-        if reader.lossy:
+        if reader.lossy:  # the written cache keeps saying what it is
+            cache.provenance["lossy_recipe"] = reader.recipe.spec()
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
+        cache.save(dst)
         return
     if layers or tokens:
         raise UsageError("--layers and --tokens apply only to .kvz files")
