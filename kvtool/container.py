@@ -608,6 +608,55 @@ class KvzReader:
             if on_progress:
                 on_progress(nbytes)
 
+    def read_rows(self, targets: list[np.ndarray], rows: np.ndarray, target_of: Sequence[int], layers: Sequence[int] | None = None) -> None:
+        """Decode ``layers`` (all by default) into other memory, row by row: row (head h, token t) of the
+        i-th tensor read (K then V of each layer) goes to byte offset ``rows[i, h, t]`` of the flat byte
+        array ``targets[target_of[i]]``; a negative offset leaves that row out.
+
+        For destinations laid out otherwise than ``[heads, tokens, dim]``, such as an engine's paged
+        KV blocks: with the native core each chunk goes from the stored bytes to its rows in one
+        pass, with no intermediate cache. Offsets are checked against the targets before a byte is
+        written.
+        """
+        wanted = self.layer_ids if layers is None else list(layers)
+        positions = [2 * self.layer_ids.index(layer) + kv for layer in wanted for kv in (0, 1)]
+        if rows.shape != (len(positions), self._heads, self.num_tokens) or len(target_of) != len(positions):
+            raise UsageError(f"{self.name}: rows must be [{len(positions)}, {self._heads}, {self.num_tokens}] offsets")
+        row_bytes = self._dim * self.dtype.itemsize
+        for i, target in enumerate(target_of):
+            limit = targets[target].nbytes - row_bytes
+            if rows.size and rows[i].max() > limit:
+                raise UsageError(f"{self.name}: row offsets fall outside their target")
+        batch = BatchCodec.for_recipe(self.recipe, self.dtype.numpy)
+        if batch is None:  # decode, then place the rows with numpy
+            cache = self.read(layers=wanted, threads=1)
+            for i, array in enumerate(t for _, _, t in cache.tensors()):
+                flat = targets[target_of[i]].reshape(-1).view(np.uint8)
+                kept = rows[i].reshape(-1) >= 0
+                cells = rows[i].reshape(-1, 1)[kept] + np.arange(row_bytes)
+                flat[cells] = np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8)[kept]
+            return
+        blocks = [(i, t, start) for i, t in enumerate(positions) for start in range(0, self.num_tokens, self.chunk_tokens)]
+        chunk_rows = np.array([self._rows[(t, start)][0] for _, t, start in blocks], dtype=np.int64)
+        entries = self.index[chunk_rows]
+        jobs = np.zeros(len(blocks), JOB_DTYPE)
+        for name in ("offset", "stored_len", "stored_xxh3"):
+            jobs[name] = entries[name]
+        jobs["out_index"] = [target_of[i] for i, _, _ in blocks]
+        jobs["flags"] = np.where(entries["flags"] & FLAG_STORED_RAW, JOB_STORED_RAW, 0)
+        jobs["block_tokens"] = entries["token_count"]
+        ordered = [rows[i, :, start : start + int(n)].reshape(-1) for (i, _, start), n in zip(blocks, entries["token_count"])]
+        starts = np.cumsum([0] + [len(r) for r in ordered[:-1]])
+        first = int(jobs["offset"].min()) if jobs.size else 0
+        data = self._source.read_run(first, int((jobs["offset"] + jobs["stored_len"]).max()) - first) if jobs.size else b""
+        jobs["offset"] -= first
+        try:
+            batch.decode_rows(data, jobs, starts, np.concatenate(ordered) if ordered else np.zeros(0, np.int64),
+                              [t.reshape(-1).view(np.uint8) for t in targets], self._heads, self._dim,
+                              lambda i: self._chunk_name(int(chunk_rows[i])))
+        except DecodeError as exc:
+            self._fail(KvzCorruptError, str(exc))
+
     def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
         """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum."""
         for row, entry in enumerate(self.index):

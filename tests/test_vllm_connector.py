@@ -9,8 +9,17 @@ import pytest
 
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
-from kvtool.integrations.vllm.plan import EntryNamer, LoadJob, SaveJob, entries_to_save, find_stored_prefix, load_jobs
+from kvtool.integrations.vllm.plan import (
+    EntryNamer,
+    LoadJob,
+    SaveJob,
+    entries_to_save,
+    find_stored_prefix,
+    load_jobs,
+    tokens_in,
+)
 from kvtool.integrations.vllm.settings import ConnectorSettings
+from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
 from kvtool.store import open_store
 
 torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
@@ -27,7 +36,9 @@ def stored_keys(namer, spans):
 
 
 def lookup(present, namer=NAMER, usable=10, per_entry=2, hashes=HASHES):
-    return find_stored_prefix(hashes, usable, per_entry, namer, lambda keys: [k in present for k in keys])
+    """``present``: stored keys (a dict: key -> tokens it holds, checked against its entry's blocks)."""
+    held = (lambda keys: [present[k] for k in keys]) if isinstance(present, dict) else None
+    return find_stored_prefix(hashes, usable, per_entry, namer, lambda keys: [k in present for k in keys], held)
 
 
 def test_importing_the_plugin_imports_neither_vllm_nor_torch():
@@ -40,6 +51,23 @@ def test_lookup_finds_the_longest_run_of_entries_and_a_short_last_entry():
     spans = lookup(present)
     assert [(s.start, s.num_blocks) for s in spans] == [(0, 2), (2, 2), (4, 1)]
     assert [(s.start, s.num_blocks) for s in lookup(stored_keys(NAMER, [(2, 2)]))] == []  # no first entry, no hit
+
+
+def test_lookup_never_claims_an_entry_holding_other_than_its_tokens():
+    spans = [(0, 2), (2, 2), (4, 2)]
+    keys = [NAMER.key(NAMER.entry_id(HASHES[start + n - 1], n), 0) for start, n in spans]
+    held = {keys[0]: 8, keys[1]: 7, keys[2]: 8}  # the second entry's metadata says 7 tokens, not 2 blocks of 4
+    assert spans_end(lookup(held)) == 2
+
+
+def test_a_store_entry_is_usable_only_with_the_tokens_its_span_holds():
+    spans = [(0, 2), (2, 2)]
+    keys = [NAMER.key(NAMER.entry_id(HASHES[start + n - 1], n), 0) for start, n in spans]
+    with open_store("memory://") as store:
+        store.put(keys[0], b"kv", {"tokens": 8})
+        store.put(keys[1], b"kv", {"tokens": 5})
+        assert tokens_in(store)([keys[0], keys[1], "absent"]) == [8, 5, None]
+        assert spans_end(find_stored_prefix(HASHES, 10, 2, NAMER, store.contains_many, tokens_in(store))) == 2
 
 
 def test_lookup_stays_within_the_usable_blocks():
@@ -138,9 +166,10 @@ def test_restore_writes_every_layer_of_the_saved_blocks(background):
     source = layers_of([cpu_paged() + i for i in range(3)])
     target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
     target = layers_of(target_tensors)
+    stats = StatsCollector()
     with open_store("memory://") as store:
         save_entry(store, source, [2, 3])
-        restore = Restore(store, lambda e: f"key/{e}", target, {"req": [LoadJob("e1", 2, 0, [4, 0])]})
+        restore = Restore(store, lambda e: f"key/{e}", target, {"req": [LoadJob("e1", 2, 0, [4, 0])]}, stats)
         restore.start(background)
         for i in range(3):
             restore.copy_layer(i)
@@ -148,6 +177,26 @@ def test_restore_writes_every_layer_of_the_saved_blocks(background):
     for i in range(3):
         assert torch.equal(target_tensors[i][4], (cpu_paged() + i)[2])
         assert torch.equal(target_tensors[i][0], (cpu_paged() + i)[3])
+    data = stats.take()
+    assert data["counts"] == {"tokens_restored": 8, "entries_restored": 1}
+    assert sorted(data["samples"]) == ["restore_copy_seconds", "restore_decode_seconds", "restore_fetch_seconds",
+                                       "restore_seconds"]
+    times = restore.times
+    assert times.total >= times.fetch + times.decode > 0 and times.copy > 0
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_restore_skips_the_blocks_vllm_already_has(background):
+    source = layers_of([cpu_paged() + i for i in range(2)])
+    target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with open_store("memory://") as store:
+        save_entry(store, source, [2, 3])
+        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"req": [LoadJob("e1", 2, 1, [5])]})
+        restore.start(background)
+        assert restore.finish() == set()
+    for i in range(2):
+        assert torch.equal(target_tensors[i][5], (cpu_paged() + i)[3])
+        assert not target_tensors[i][:5].any()
 
 
 def test_a_damaged_or_missing_entry_is_reported_and_later_entries_are_not_used():
@@ -160,8 +209,36 @@ def test_a_damaged_or_missing_entry_is_reported_and_later_entries_are_not_used()
         record[-50] ^= 0xFF
         store.write_record("key/e1", bytes(record))
         jobs = [LoadJob("e1", 1, 0, [3]), LoadJob("e2", 1, 0, [4]), LoadJob("e3", 1, 0, [5])]
-        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"req": jobs})
+        stats = StatsCollector()
+        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"req": jobs}, stats)
         restore.start(background=True)
         assert restore.finish() == {3, 4, 5}
         assert restore.failed_requests() == {"req"}
+        missing = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"other": jobs[2:]}, stats)
+        missing.start(background=False)
+        assert missing.finish() == {5}
     assert not target_tensors[0].any()
+    counts = stats.take()["counts"]
+    assert counts == {"restore_failures|damaged": 1, "restore_failures|missing": 1, "tokens_failed": 16}
+
+
+def test_stats_report_each_tier_and_add_up(tmp_path):
+    stats = StatsCollector()
+    with open_store(f"memory://?capacity=1MiB,file://{tmp_path}", write_behind=4) as store:
+        store.put("a", b"x" * 1000)
+        store.flush()
+        stats.sample_store(store)
+        store.get("a")
+        stats.count("lookups", 2)
+        stats.observe("restore_fetch_seconds", 0.004)
+        first = stats.take()
+        stats.sample_store(store)  # only what happened since the last sample counts again
+        second = stats.take()
+    assert first["counts"]["store_written_bytes|memory"] == first["counts"]["store_written_bytes|file"] > 1000
+    assert first["gauges"]["store_entries|file"] == 1 and first["gauges"]["write_behind_queued"] == 0
+    assert "store_read_bytes|memory" not in first["counts"] and second["counts"]["store_read_bytes|memory"] > 1000
+    assert stats.take() is None
+    total = merge(merge({"counts": {}, "samples": {}, "gauges": {}}, first), first)
+    line = summary(total)
+    assert (line["lookups"], line["fetch_ms_per_step"], line["restore_failures"]) == (4, 4.0, 0)
+

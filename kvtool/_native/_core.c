@@ -212,8 +212,8 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < njobs; i++) {
         const job *j = &jobs[i];
-        size_t tb = j->block_tokens, raw_len = (size_t)heads * tb * row;
-        if (j->out_index >= ntensors || j->offset > (uint64_t)src.len || j->stored_len > (uint64_t)src.len - j->offset ||
+        size_t tb = j->block_tokens, raw_len;
+        if (__builtin_mul_overflow((size_t)heads * row, tb, &raw_len) || j->out_index >= ntensors || j->offset > (uint64_t)src.len || j->stored_len > (uint64_t)src.len - j->offset ||
             j->block_start >= (int64_t)tokens || j->block_start + (int64_t)tb <= 0 || (j->flags & ~JOB_STORED_RAW)) {
             rc = KVN_ERR_ARG;
         } else if (verify && kvn_xxh3_64(base + j->offset, j->stored_len) != j->stored_xxh3) {
@@ -261,12 +261,98 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
     return Py_BuildValue("(in)", rc, failed);
 }
 
+/* decode_rows(src, jobs, row_starts, rows, targets, dtype, heads, dim, verify) -> (status, failed job or -1)
+ * Decodes each job's block (block_tokens tokens) and writes its row (head h, token t) to byte
+ * offset rows[row_starts[i] + h * block_tokens + t] of targets[out_index], or nowhere when that
+ * offset is negative: any destination whose token rows are contiguous, such as an engine's
+ * paged KV blocks. */
+static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
+    Py_buffer src, jobs_buf, starts_buf, rows_buf;
+    PyObject *targets;
+    int dtype, verify;
+    Py_ssize_t heads, dim;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*O!innp", &src, &jobs_buf, &starts_buf, &rows_buf, &PyList_Type, &targets,
+                          &dtype, &heads, &dim, &verify))
+        return NULL;
+    Py_ssize_t ntargets = PyList_GET_SIZE(targets);
+    Py_buffer *dst = calloc((size_t)(ntargets ? ntargets : 1), sizeof(Py_buffer));
+    Py_ssize_t got = 0;
+    size_t w = kvn_itemsize(dtype), row = (size_t)dim * w;
+    size_t njobs = (size_t)jobs_buf.len / sizeof(job), nrows = (size_t)rows_buf.len / sizeof(int64_t);
+    int ok = dst && w && heads >= 0 && dim >= 0 && jobs_buf.len % sizeof(job) == 0 && rows_buf.len % sizeof(int64_t) == 0 &&
+             (size_t)starts_buf.len == njobs * sizeof(int64_t);
+    for (; ok && got < ntargets; got++)
+        if (PyObject_GetBuffer(PyList_GET_ITEM(targets, got), &dst[got], PyBUF_WRITABLE) < 0) ok = 0;
+    PyObject *result = NULL;
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad geometry, jobs, rows or targets");
+        goto release;
+    }
+    const job *jobs = jobs_buf.buf;
+    const int64_t *starts = starts_buf.buf, *rows = rows_buf.buf;
+    const uint8_t *base = src.buf;
+    uint8_t *scratch = NULL;
+    size_t scratch_size = 0;
+    int rc = KVN_OK;
+    Py_ssize_t failed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < njobs && rc == KVN_OK; i++) {
+        const job *j = &jobs[i];
+        size_t tb = j->block_tokens, raw_len, nr = (size_t)heads * tb;
+        if (__builtin_mul_overflow((size_t)heads * row, tb, &raw_len) || j->out_index >= (uint64_t)ntargets ||
+            j->offset > (uint64_t)src.len || j->stored_len > (uint64_t)src.len - j->offset || starts[i] < 0 ||
+            (uint64_t)starts[i] > nrows || nr > nrows - (size_t)starts[i] || (j->flags & ~JOB_STORED_RAW)) {
+            rc = KVN_ERR_ARG;
+        } else if (verify && kvn_xxh3_64(base + j->offset, j->stored_len) != j->stored_xxh3) {
+            rc = KVN_ERR_CHECKSUM;
+        } else if ((j->flags & JOB_STORED_RAW) && j->stored_len != raw_len) {
+            rc = KVN_ERR_CORRUPT;
+        }
+        const Py_buffer *t = rc ? NULL : &dst[j->out_index];
+        for (size_t r = 0; t && r < nr; r++) {  /* every row inside its target before anything is written */
+            int64_t at = rows[starts[i] + (int64_t)r];
+            if (at >= 0 && ((uint64_t)at > (uint64_t)t->len || row > (size_t)t->len - (size_t)at)) { rc = KVN_ERR_ARG; break; }
+        }
+        const uint8_t *block = base + j->offset;
+        if (!rc && !(j->flags & JOB_STORED_RAW)) {
+            if (raw_len > scratch_size) {
+                free(scratch);
+                scratch = malloc(raw_len);
+                scratch_size = scratch ? raw_len : 0;
+            }
+            if (!scratch) rc = KVN_ERR_NOMEM;
+            else {
+                kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
+                rc = kvn_exphuff_decode(&b, block, j->stored_len, scratch);
+                block = scratch;
+            }
+        }
+        if (rc) { failed = (Py_ssize_t)i; break; }
+        for (size_t r = 0; r < nr; r++) {
+            int64_t at = rows[starts[i] + (int64_t)r];
+            if (at >= 0) memcpy((uint8_t *)t->buf + at, block + r * row, row);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    result = rc == KVN_ERR_NOMEM ? PyErr_NoMemory() : Py_BuildValue("(in)", rc, failed);
+release:
+    for (Py_ssize_t k = 0; k < got; k++) PyBuffer_Release(&dst[k]);
+    free(dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&jobs_buf);
+    PyBuffer_Release(&starts_buf);
+    PyBuffer_Release(&rows_buf);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
     {"exphuff_encode", py_exphuff_encode, METH_VARARGS, "Encode one C-contiguous block as an exphuff chunk."},
     {"exphuff_decode", py_exphuff_decode, METH_VARARGS, "Decode one exphuff chunk into a C-contiguous block; returns a status."},
     {"encode_blocks", py_encode_blocks, METH_VARARGS, "Encode a tensor's token blocks: (blob, meta)."},
     {"decode_blocks", py_decode_blocks, METH_VARARGS, "Decode a batch of chunks into tensors: (status, failed job)."},
+    {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -58,7 +58,21 @@ class BatchCodec:
         status, failed = self.core.decode_blocks(
             src, jobs.tobytes(), out.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, True
         )
+        self._raise(status, failed, describe)
+
+    def decode_rows(self, src, jobs: np.ndarray, row_starts: np.ndarray, rows: np.ndarray, targets: list, heads: int, dim: int, describe) -> None:
+        """Verify and decode ``jobs``; row (h, t) of job i goes to byte ``rows[row_starts[i] + h * tokens + t]`` of
+        ``targets[out_index]`` (flat writable byte arrays)."""
+        status, failed = self.core.decode_rows(
+            src, jobs.tobytes(), row_starts.astype("<i8").tobytes(), rows.astype("<i8").tobytes(), targets,
+            self.dtype_code, heads, dim, True,
+        )
+        self._raise(status, failed, describe)
+
+    def _raise(self, status: int, failed: int, describe) -> None:
         if status == self.core.STATUS_CHECKSUM:
             raise DecodeError(f"checksum mismatch in {describe(failed)}")
+        if status == self.core.STATUS_ARG:
+            raise DecodeError(f"{describe(failed)} does not fit its destination")
         if status:
             raise DecodeError(f"{describe(failed)} does not decode (malformed chunk)")

@@ -59,9 +59,9 @@ def _root(
 
 
 def _register_commands() -> None:
-    from kvtool.cli import bench, codecs, dump, files, inspect, plan, reorder, store
+    from kvtool.cli import bench, codecs, dump, files, inspect, plan, reorder, serve, store
 
-    for module in (bench, codecs, dump, files, inspect, plan, reorder, store):
+    for module in (bench, codecs, dump, files, inspect, plan, reorder, serve, store):
         module.register(app)
 
 

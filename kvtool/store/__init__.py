@@ -12,18 +12,20 @@ group ``kvtool.stores``); a comma-separated list of URLs builds a
 ``TieredStore``, fastest tier first::
 
     open_store("memory://?capacity=2GiB,file:///var/cache/kvtool?capacity=100GiB,redis://cache:6379/0?ttl=3600")
+
+A Redis Cluster's node list stays one tier: ``redis+cluster://10.0.0.1:7000,10.0.0.2:7000/?ttl=3600``.
 """
 
 from __future__ import annotations
 
 from kvtool.errors import UsageError
 from kvtool.registry import Registry
-from kvtool.store.base import Store, StoreClosedError
+from kvtool.store.base import ReadOnlyStoreError, Store, StoreClosedError
 from kvtool.store.entry import Entry, EntryInfo
 from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
 from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
 from kvtool.store.tiered import StoreEvent, TieredStore
-from kvtool.store.url import redact, scheme_of
+from kvtool.store.url import redact, scheme_of, split_urls
 
 registry: Registry[type[Store]] = Registry(
     "store",
@@ -33,17 +35,23 @@ registry: Registry[type[Store]] = Registry(
         "file": "kvtool.store.file:FileStore",
         "redis": ("kvtool.store.redis:RedisStore", "redis"),
         "rediss": ("kvtool.store.redis:RedisStore", "redis"),
+        "redis+cluster": ("kvtool.store.redis_cluster:RedisClusterStore", "redis"),
+        "rediss+cluster": ("kvtool.store.redis_cluster:RedisClusterStore", "redis"),
     },
 )
 
 
-def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> Store:
+def open_store(
+    url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False, write_behind: int = 0
+) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
-    ``policy`` and ``promote`` apply to a tiered store. Commas separate tiers,
-    so a comma inside one URL (a password) must be written ``%2C``.
+    ``policy``, ``promote`` and ``write_behind`` apply to a tiered store. Commas separate tiers,
+    except before the ``host:port`` of a cluster's next node, so a comma inside
+    one URL (a password) must be written ``%2C``. ``read_only`` opens it for
+    inspection: nothing on disk or in a server changes (``Store`` says what that means).
     """
-    urls = [part.strip() for part in url.split(",")]
+    urls = split_urls(url)
     if not all(urls):
         raise UsageError(f"empty tier in store URL list {redact(url)!r}")
     tiers: list[Store] = []
@@ -55,8 +63,11 @@ def open_store(url: str, policy: Policy | None = None, promote: bool = True) -> 
             tier.close()
         raise
     if len(tiers) == 1 and policy is None:
-        return tiers[0]
-    return TieredStore(tiers, policy=policy, promote=promote)
+        store = tiers[0]
+    else:
+        store = TieredStore(tiers, policy=policy, promote=promote, write_behind=write_behind)
+    store.read_only = read_only
+    return store
 
 __all__ = [
     "CostAwarePolicy",
@@ -66,6 +77,7 @@ __all__ = [
     "Policy",
     "PrefixHit",
     "PrefixKeyer",
+    "ReadOnlyStoreError",
     "Store",
     "StoreClosedError",
     "StoreEvent",

@@ -10,7 +10,13 @@ integrity check and metrics live here once.
 
 Failures of a remote backend in the caller's path (server down, timeout) are
 misses and ``False`` from ``put``, never exceptions; mistakes a caller can fix
-(a bad key, a closed store) raise ``kvtool.errors.UsageError``.
+(a bad key, a closed store, a write to a store opened read-only) raise
+``kvtool.errors.UsageError``. A ``put`` that fails leaves the key's old value
+in place.
+
+A store opened ``read_only`` (inspection tools) changes nothing: writes and
+deletes raise, a damaged entry is reported as a miss but left where it is, and
+reads do not count as uses for eviction order.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info, unwrap, wrap
@@ -32,6 +39,22 @@ Value = bytes | bytearray | memoryview
 
 class StoreClosedError(UsageError):
     """An operation on a store after ``close()``."""
+
+
+class ReadOnlyStoreError(UsageError):
+    """A write or delete on a store opened read-only."""
+
+
+@dataclass
+class StagedWrite:
+    """A write whose slow part is done but which no reader can see yet (``Store.stage_entry``).
+
+    ``commit()`` makes it visible (True) or fails leaving the old value (False);
+    ``abort()`` drops it. Exactly one of them must be called.
+    """
+
+    commit: Callable[[], bool]
+    abort: Callable[[], None]
 
 
 class Store(ABC):
@@ -56,6 +79,9 @@ class Store(ABC):
         self.capacity = capacity
         self.name = name or self.scheme or type(self).__name__
         self.metrics = StoreMetrics()
+        self.read_only = False  # set by open_store(..., read_only=True) before first use
+        # Told of the entries a write of this store evicted by itself: (keys, reason). TieredStore listens.
+        self.on_evicted: Callable[[list[str], str], None] | None = None
         self._closed = False
 
     @classmethod
@@ -77,20 +103,29 @@ class Store(ABC):
         ``meta`` is small JSON-safe metadata kept with the value (see
         ``kvtool.store.entry``: ``tokens``, ``raw_bytes``).
         """
-        self._check_open()
+        self._check_writable()
         return self.put_entry(wrap(key, value, dict(meta or {})))
 
     def put_entry(self, entry: Entry) -> bool:
         """Store an already wrapped entry as it is (tiers move entries without re-wrapping)."""
-        self._check_open()
+        self._check_writable()
         if not self._fits(entry):
             return False
-        if not self._write(entry, entry.record):
-            self.metrics.count("put_failures")
-            return False
-        raw = entry.raw_bytes if entry.raw_bytes is not None else entry.size - entry.value_offset
-        self.metrics.stored(raw, entry.size)
-        return True
+        return self._counted(entry, self._write(entry, entry.record))
+
+    def stage_entry(self, entry: Entry) -> StagedWrite:
+        """Do the slow part of storing ``entry`` now and publish it later with ``commit()``.
+
+        A caller that must publish under its own lock (``TieredStore``'s
+        write-behind) stages outside it. Backends whose writes have a slow,
+        invisible part (the file tier: writing and syncing the file) override
+        ``_stage``; elsewhere the whole write happens in ``commit()``.
+        """
+        self._check_writable()
+        if not self._fits(entry):
+            return StagedWrite(lambda: False, lambda: None)
+        staged = self._stage(entry)
+        return StagedWrite(lambda: self._counted(entry, staged.commit()), staged.abort)
 
     def get(self, key: str) -> bytes | None:
         """The value stored under ``key``, or None on a miss."""
@@ -100,7 +135,7 @@ class Store(ABC):
     def get_entry(self, key: str) -> Entry | None:
         """The verified entry under ``key`` (value and metadata), or None on a miss.
 
-        A record that fails its checks is logged, deleted and reported as a miss.
+        A record that fails its checks is logged, deleted (unless read-only) and reported as a miss.
         """
         start = time.perf_counter()
         entry = self.peek(key)
@@ -133,12 +168,19 @@ class Store(ABC):
         self._check_open()
         return self._contains(key)
 
-    def delete(self, key: str) -> bool:
-        """Remove ``key``; True if it was there."""
+    def delete(self, key: str, *, evicted: str | None = None) -> bool:
+        """Remove ``key``; True if it was there.
+
+        ``evicted`` gives the reason when the entry leaves to make room: it is then
+        logged and counted in ``evictions`` instead of ``deletes``.
+        """
         check_key(key)
-        self._check_open()
+        self._check_writable()
         removed = self._delete(key)
-        if removed:
+        if removed and evicted:
+            self.metrics.count("evictions")
+            log.info("%s: evicted %r (%s)", self.name, key, evicted)
+        elif removed:
             self.metrics.count("deletes")
         return removed
 
@@ -186,7 +228,7 @@ class Store(ABC):
     def write_record(self, key: str, record: bytes) -> bool:
         """Store ``record`` verbatim under ``key``, unchecked: reads verify it later."""
         check_key(key)
-        self._check_open()
+        self._check_writable()
         info = EntryInfo(key, len(record), {})
         return self._fits(info) and self._write(info, bytes(record))
 
@@ -200,7 +242,8 @@ class Store(ABC):
             "store": self.describe(),
             "persistent": self.persistent,
             "shared": self.shared,
-            "entries": len(self._keys()),
+            "read_only": self.read_only,
+            "entries": self._count(),
             "used_bytes": self.used_bytes,
             "capacity_bytes": self.capacity,
             **self.metrics.snapshot(),
@@ -230,7 +273,14 @@ class Store(ABC):
 
     @abstractmethod
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        """Store ``record`` under ``info.key``, evicting to stay in capacity; False on failure."""
+        """Store ``record`` under ``info.key``, evicting to stay in capacity; False on failure.
+
+        A failed write must leave the key's old record in place.
+        """
+
+    def _stage(self, entry: Entry) -> StagedWrite:
+        """Prepare ``entry``'s write; ``commit`` publishes it (here: does all of it)."""
+        return StagedWrite(lambda: self._write(entry, entry.record), lambda: None)
 
     @abstractmethod
     def _delete(self, key: str) -> bool:
@@ -242,6 +292,10 @@ class Store(ABC):
 
     def _contains(self, key: str) -> bool:
         return key in self._keys()
+
+    def _count(self) -> int:
+        """How many entries the store holds."""
+        return len(self._keys())
 
     def _info(self, key: str) -> EntryInfo | None:
         record = self._read(key)
@@ -255,6 +309,20 @@ class Store(ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.describe()} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyStoreError(f"store {self.describe()} is open read-only")
+
+    def _counted(self, entry: Entry, written: bool) -> bool:
+        """Count a finished write of ``entry``."""
+        if not written:
+            self.metrics.count("put_failures")
+            return False
+        raw = entry.raw_bytes if entry.raw_bytes is not None else entry.size - entry.value_offset
+        self.metrics.stored(raw, entry.size)
+        return True
 
     def _fits(self, info: EntryInfo) -> bool:
         if self.capacity is not None and info.size > self.capacity:
@@ -273,11 +341,19 @@ class Store(ABC):
             return None
 
     def _drop_corrupt(self, key: str, reason: Exception) -> None:
-        log.warning("%s: entry %r is damaged (%s); dropped and treated as a miss", self.name, key, reason)
         self.metrics.count("corrupt")
+        if self.read_only:
+            log.warning("%s: entry %r is damaged (%s); treated as a miss (read-only: left in place)",
+                        self.name, key, reason)
+            return
+        log.warning("%s: entry %r is damaged (%s); dropped and treated as a miss", self.name, key, reason)
         self._delete(key)
 
-    def _evicted(self, keys: list[str]) -> None:
+    def _evicted(self, keys: list[str], freed: int) -> None:
+        """Count and log the entries a write removed to stay within capacity."""
         if keys:
             self.metrics.count("evictions", len(keys))
-            log.debug("%s: evicted %d entries to stay within capacity", self.name, len(keys))
+            log.info("%s: evicted %d entries (%d bytes) to stay within a capacity of %s bytes",
+                     self.name, len(keys), freed, self.capacity)
+            if self.on_evicted is not None:
+                self.on_evicted(keys, f"{self.name} full")

@@ -74,10 +74,21 @@ class Entry(EntryInfo):
 
 
 def check_key(key: str) -> bytes:
-    """The UTF-8 bytes of a valid key; a key is 1..1024 bytes with no control characters."""
+    """The UTF-8 bytes of a valid key; a key is 1..1024 bytes of Unicode text with no control characters.
+
+    A lone surrogate (``"\\ud800"``, what ``os.fsdecode`` makes of undecodable
+    bytes) is not text: it has no UTF-8 form that other processes and Redis would
+    read back as the same key, so it is refused.
+    """
     if not isinstance(key, str):
         raise UsageError(f"a store key is a string, not {type(key).__name__}")
-    raw = key.encode("utf-8", "surrogatepass")
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(
+            f"invalid store key {key[:80]!r}: lone surrogate {key[exc.start]!r} at position {exc.start} "
+            "is not Unicode text"
+        ) from None
     if not 0 < len(raw) <= MAX_KEY_BYTES or any(ord(c) < 32 or ord(c) == 127 for c in key):
         raise UsageError(f"invalid store key {key[:80]!r}: 1 to {MAX_KEY_BYTES} bytes, no control characters")
     return raw

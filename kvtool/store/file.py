@@ -1,17 +1,47 @@
-"""The file tier: one file per entry under a directory, surviving restarts.
+"""The file tier: one file per entry under a directory, shared by every process on the host.
 
 Layout::
 
-    ROOT/.lock                      held (flock) by the one process using ROOT
-    ROOT/entries/ab/ab12...ef.kve   one record; the name is a BLAKE2b hash of the key
+    ROOT/index.sqlite3 (-wal, -shm)        the index: key -> file, size, metadata, recency
+    ROOT/entries/ab/ab12...ef-0123...cd.kve one record; BLAKE2b hash of the key, then a write id
+    ROOT/entries/ab/.ab12...kve.part        a write in progress
 
-A key never becomes part of a path, so no key can escape ROOT. Writes are
-atomic (temp file, fsync, rename), so a crash leaves either the old record, the
-new one, or a stray ``.part`` file. Opening the store rebuilds its index from
-the files: ``.part`` files and records whose header does not match their size
-or name are removed; full checksums are verified on every read. Recency is kept
-in the files' modification times, so the least recently used entries are still
-the first evicted after a restart, and the capacity is enforced on opening.
+Any number of processes (vLLM's scheduler and workers, several servers, the
+CLI) open the same directory at once; no process holds it exclusively.
+SQLite in WAL mode (Python's standard library) keeps the index: readers never
+wait for writers, writers take turns in short transactions, and a process that
+dies mid-transaction leaves the last committed state.
+
+A write is published in three steps, so no reader ever sees part of an entry:
+
+1. the record is written to a ``.part`` file under an exclusive ``flock``,
+   fsynced, and renamed to its final, unique name (still locked);
+2. one index transaction makes room (least recently used entries first, across
+   every process's entries), points the key at the new file and commits;
+3. the files the transaction unreferenced (the key's old record, evicted
+   entries) are unlinked, then the lock is released.
+
+A crash between any two steps leaves the index consistent: it only ever names
+whole, synced files. What a crash can leave behind are files the index does not
+name (a ``.part``, a renamed file whose commit never happened, an old record not
+yet unlinked). ``collect_garbage`` removes them, and rows whose file is gone; it
+recognises a live writer's files by their ``flock``, which dies with the
+process. The first write of each process runs it. Opening never changes
+anything, so inspecting a store (``kvtool store ls``) is always safe.
+
+A failed write (disk full, I/O error, the index busy beyond the timeout) returns
+False and leaves the key's old value in place. Capacity is enforced by each
+writer when it writes, with the capacity it opened the store with; opening
+with a smaller capacity evicts nothing until the next write. Reads verify the
+whole record's checksum; a reader racing a writer that replaces or evicts the
+entry gets the new value or a miss. Recency of reads is recorded in the index in
+batches (at the next write, or every second), so eviction order follows every
+process's reads and survives restarts.
+
+The directory must be on a local filesystem (SQLite's WAL needs shared memory
+between the processes; NFS is not supported). Index commits use
+``synchronous=NORMAL``: a killed process loses nothing committed, a power cut
+may lose the last commits, whose files ``collect_garbage`` then removes.
 
 URLs: everything between ``file://`` and ``?`` is a filesystem path:
 ``file:///var/cache/kvtool`` is absolute, ``file://./cache`` and
@@ -24,30 +54,69 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
+import secrets
+import sqlite3
 import threading
+import time
 from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import unquote
 
 from kvtool.errors import UsageError
-from kvtool.fileio import atomic_write
-from kvtool.store.base import Store, log
-from kvtool.store.entry import HEADER, CorruptEntryError, EntryInfo, check_key, parse_head, parse_info
-from kvtool.store.lru import LruSizes
+from kvtool.store.base import StagedWrite, Store, log
+from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info
 from kvtool.store.url import parse_options, split_query
 from kvtool.units import format_size, parse_size
 
-_RECORD = re.compile(r"[0-9a-f]{40}\.kve")
-_PARTIAL = re.compile(r"\.[0-9a-f]{40}\.kve\..+\.part")
+T = TypeVar("T")
+
+INDEX = "index.sqlite3"
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 30.0  # how long a write waits for another process's transaction
+TOUCH_FLUSH_S = 1.0  # recency of reads reaches the index at least this often
+PART_GRACE_S = 2.0  # a .part file younger than this may belong to a writer about to lock it
+_READ_ATTEMPTS = 3  # a read racing replacements of its key retries this often
+_QUERY_BATCH = 500  # keys per IN (...) query
+
+_RECORD = re.compile(r"(?P<digest>[0-9a-f]{40})-[0-9a-f]{16}\.kve")
+_PARTIAL = re.compile(r"\.[0-9a-f]{40}-[0-9a-f]{16}\.kve\.part")
 _SHARD = re.compile(r"[0-9a-f]{2}")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,
+    file TEXT NOT NULL UNIQUE,   -- path under entries/
+    size INTEGER NOT NULL,       -- bytes of the record
+    raw_bytes INTEGER,           -- uncompressed KV bytes, from the metadata
+    meta TEXT NOT NULL,          -- the record's metadata, JSON
+    access INTEGER NOT NULL      -- the store's clock at the last write or read: LRU order
+);
+CREATE INDEX IF NOT EXISTS entries_by_access ON entries(access);
+CREATE TABLE IF NOT EXISTS totals (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    entries INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    clock INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO totals VALUES (0, 0, 0, 0);
+"""
+
+
+def default_path() -> Path:
+    """The file store kvtool uses unless told otherwise: ``$XDG_CACHE_HOME/kvtool/store`` (``~/.cache/...``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kvtool" / "store"
 
 
 class FileStore(Store):
-    """``file:///path?capacity=100GiB``: one process at a time may open a directory."""
+    """``file:///path?capacity=100GiB``: a directory of entries shared by every process on the host."""
 
     scheme = "file"
     persistent = True
+    shared = True
     typical_latency_s = 1e-4
     typical_bandwidth = 2e9
 
@@ -60,15 +129,12 @@ class FileStore(Store):
             self._entries.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"cannot use {self.root} as a file store: {exc.strerror}") from None
-        self._lock_file = open(self.root / ".lock", "a+b")
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise UsageError(f"file store {self.root} is in use by another process") from None
-        self._lock = threading.Lock()
-        self._lru = LruSizes(capacity)
-        self._rebuild_index()
+        self._lock = threading.Lock()  # one connection per store object, used by one thread at a time
+        self._pid = os.getpid()
+        self._db = self._connect()
+        self._touched: dict[str, None] = {}
+        self._touch_flushed = time.monotonic()
+        self._collected = False
 
     @classmethod
     def from_url(cls, url: str) -> "FileStore":
@@ -84,137 +150,393 @@ class FileStore(Store):
 
     @property
     def used_bytes(self) -> int:
-        return self._lru.used
+        return (self._row("SELECT bytes FROM totals") or (0,))[0]
 
-    def path_of(self, key: str) -> Path:
-        """The file that holds ``key``'s record."""
-        digest = hashlib.blake2b(check_key(key), digest_size=20).hexdigest()
-        return self._entries / digest[:2] / f"{digest}.kve"
+    def path_of(self, key: str) -> Path | None:
+        """The file that holds ``key``'s record now, or None."""
+        check_key(key)
+        row = self._row("SELECT file FROM entries WHERE key = ?", key)
+        return None if row is None else self._entries / row[0]
+
+    def stats(self) -> dict[str, Any]:
+        """``compression_ratio`` is that of the entries held (with ``raw_bytes`` metadata), whoever wrote them."""
+        data = super().stats()
+        query = "SELECT SUM(raw_bytes), SUM(size) FROM entries WHERE raw_bytes IS NOT NULL"
+        raw, size = self._query(lambda db: db.execute(query).fetchone(), (None, None))
+        data["compression_ratio"] = raw / size if raw and size else None
+        return data
 
     # --- hooks ----------------------------------------------------------------
 
     def _read(self, key: str) -> bytes | None:
-        with self._lock:
-            if key not in self._lru:
+        previous = None
+        for _ in range(_READ_ATTEMPTS):
+            row = self._row("SELECT file, size FROM entries WHERE key = ?", key)
+            if row is None:
                 return None
-            self._lru.touch(key)
-        path = self.path_of(key)
-        try:
-            record = path.read_bytes()
-            os.utime(path)  # recency survives a restart
-        except FileNotFoundError:
-            with self._lock:
-                self._lru.remove(key)
-            log.warning("%s: entry %r vanished from disk; treated as a miss", self.name, key)
-            return None
-        except OSError as exc:
-            log.warning("%s: cannot read entry %r (%s); treated as a miss", self.name, key, exc)
-            self.metrics.count("errors")
-            return None
-        return record
+            name, size = row
+            try:
+                record = _read_exactly(self._entries / name, size)
+            except CorruptEntryError as exc:
+                self._drop_corrupt(key, exc)
+                return None
+            except FileNotFoundError:
+                if name == previous:  # not replaced meanwhile: the file is gone for good
+                    log.warning("%s: the file of entry %r vanished; treated as a miss", self.name, key)
+                    if not self.read_only:
+                        self._delete(key)
+                    return None
+                previous = name  # replaced or evicted since the lookup: look again
+                continue
+            except OSError as exc:
+                log.warning("%s: cannot read entry %r (%s); treated as a miss", self.name, key, exc)
+                self.metrics.count("errors")
+                return None
+            if not self.read_only:
+                self._touch(key)
+            return record
+        return None
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        # Room is made before writing, so a crash can leave the directory under
-        # capacity but never over it (stray .part files are removed on opening).
-        with self._lock:
-            victims = self._lru.admit(info.key, len(record))
-        self._unlink(victims)
-        self._evicted(victims)
-        path = self.path_of(info.key)
-        try:
-            path.parent.mkdir(exist_ok=True)
-            with atomic_write(path) as f:
-                f.write(record)
-        except OSError as exc:
-            with self._lock:
-                self._lru.remove(info.key)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            log.warning("%s: cannot write entry %r (%s); not stored", self.name, info.key, exc)
-            self.metrics.count("errors")
-            return False
-        return True
+        staged = self._stage_record(info, record)
+        return staged is not None and staged.commit()
+
+    def _stage(self, entry: Entry) -> StagedWrite:
+        staged = self._stage_record(entry, entry.record)
+        if staged is None:
+            return StagedWrite(lambda: False, lambda: None)
+        return StagedWrite(staged.commit, staged.abort)
 
     def _delete(self, key: str) -> bool:
-        with self._lock:
-            known = self._lru.remove(key)
-        self._unlink([key])
-        return known
+        def remove(db: sqlite3.Connection) -> str | None:
+            row = db.execute("SELECT file, size FROM entries WHERE key = ?", (key,)).fetchone()
+            if row is not None:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                db.execute("UPDATE totals SET entries = entries - 1, bytes = bytes - ?", (row[1],))
+            return None if row is None else row[0]
+
+        name = self._transaction(remove, None)
+        if name is not None:
+            _unlink(self._entries / name)
+        return name is not None
 
     def _contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._lru
+        return self._row("SELECT 1 FROM entries WHERE key = ?", key) is not None
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            check_key(key)
+        self._check_open()
+        found: set[str] = set()
+        for start in range(0, len(keys), _QUERY_BATCH):
+            batch = list(keys[start:start + _QUERY_BATCH])
+            marks = ",".join("?" * len(batch))
+            query = f"SELECT key FROM entries WHERE key IN ({marks})"
+            found.update(row[0] for row in self._query(lambda db: db.execute(query, batch).fetchall(), []))
+        return [key in found for key in keys]
 
     def _keys(self) -> list[str]:
-        with self._lock:
-            return self._lru.keys()
+        """Least recently used first."""
+        return self._query(lambda db: [row[0] for row in db.execute("SELECT key FROM entries ORDER BY access")], [])
+
+    def _count(self) -> int:
+        return (self._row("SELECT entries FROM totals") or (0,))[0]
 
     def _info(self, key: str) -> EntryInfo | None:
-        with self._lock:
-            if key not in self._lru:
-                return None
-        try:
-            return _read_info(self.path_of(key))
-        except FileNotFoundError:
-            return None
+        row = self._row("SELECT size, meta FROM entries WHERE key = ?", key)
+        return None if row is None else EntryInfo(key, row[0], json.loads(row[1]))
 
     def _close(self) -> None:
-        with contextlib.suppress(OSError):
-            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-        self._lock_file.close()
+        if not self.read_only:
+            with contextlib.suppress(sqlite3.Error):
+                self._flush_touches()
+        with self._lock:
+            if self._pid == os.getpid():
+                self._db.close()
 
-    # --- helpers --------------------------------------------------------------
+    # --- garbage ----------------------------------------------------------------
 
-    def _unlink(self, keys: list[str]) -> None:
-        for key in keys:
-            with contextlib.suppress(FileNotFoundError):
-                self.path_of(key).unlink()
+    def collect_garbage(self) -> dict[str, int]:
+        """Remove what crashed writers left: unnamed files, and index rows whose file is gone.
 
-    def _rebuild_index(self) -> None:
-        found: list[tuple[float, str, int]] = []
-        for shard in self._entries.iterdir():
-            if not (_SHARD.fullmatch(shard.name) and shard.is_dir()):
-                continue
-            for path in shard.iterdir():
+        Safe while other processes use the store: a file still locked by its
+        writer, or younger than ``PART_GRACE_S``, is left alone. Returns counts
+        of what was removed.
+        """
+        self._check_writable()
+        removed = {"partial": 0, "orphans": 0, "rows": 0}
+        present: set[str] = set()
+        for shard in self._shards():
+            for path in _listdir(shard):
+                name = f"{shard.name}/{path.name}"
                 if _PARTIAL.fullmatch(path.name):
-                    log.info("%s: removing incomplete write %s", self.name, path.name)
-                    _remove(path)
+                    if _abandoned(path, PART_GRACE_S):
+                        log.info("%s: removing an interrupted write %s", self.name, name)
+                        removed["partial"] += _unlink(path)
                 elif _RECORD.fullmatch(path.name):
-                    entry = self._check_file(path)
-                    if entry is not None:
-                        found.append(entry)
-        victims = []
-        for _, key, record_size in sorted(found):
-            victims += self._lru.admit(key, record_size)
-        victims += self._lru.shrink()
-        self._unlink(victims)
-        self._evicted(victims)
+                    present.add(name)
+        referenced = set(self._query(lambda db: [r[0] for r in db.execute("SELECT file FROM entries")], []))
+        for name in present - referenced:
+            # A writer holds its file's lock until its commit is done, so the index is asked after the lock
+            # was free: a file that is then still unnamed is garbage.
+            abandoned = _abandoned(self._entries / name, 0.0)
+            if abandoned and self._row("SELECT 1 FROM entries WHERE file = ?", name) is None:
+                log.info("%s: removing %s, which no index entry names", self.name, name)
+                removed["orphans"] += _unlink(self._entries / name)
+        for name in referenced - present:
+            removed["rows"] += self._transaction(lambda db: self._drop_missing(db, name), 0)
+        self._collected = True
+        return removed
 
-    def _check_file(self, path: Path) -> tuple[float, str, int] | None:
-        """``(mtime, key, size)`` of a record file whose header is sound; removes it otherwise."""
+    def _drop_missing(self, db: sqlite3.Connection, name: str) -> int:
+        if (self._entries / name).exists():  # published after the directory was listed
+            return 0
+        row = db.execute("SELECT key, size FROM entries WHERE file = ?", (name,)).fetchone()
+        if row is None:
+            return 0
+        log.warning("%s: the file of entry %r is gone; dropping it from the index", self.name, row[0])
+        db.execute("DELETE FROM entries WHERE file = ?", (name,))
+        db.execute("UPDATE totals SET entries = entries - 1, bytes = bytes - ?", (row[1],))
+        return 1
+
+    # --- writing ------------------------------------------------------------------
+
+    def _stage_record(self, info: EntryInfo, record: bytes) -> "_Staged | None":
+        """Write ``record`` to its final, unique file, locked and not yet in the index; None on failure."""
+        if not self._collected:
+            self.collect_garbage()
+        digest = hashlib.blake2b(check_key(info.key), digest_size=20).hexdigest()
+        name = f"{digest[:2]}/{digest}-{secrets.token_hex(8)}.kve"
+        final = self._entries / name
+        part = final.with_name(f".{final.name}.part")
+        fd = -1
         try:
-            stat = path.stat()
-            info = _read_info(path)
-            if self.path_of(info.key) != path:
-                raise CorruptEntryError("record is not in the file its key maps to")
-        except (CorruptEntryError, UsageError) as exc:
-            log.warning("%s: removing damaged entry file %s: %s", self.name, path.name, exc)
-            _remove(path)
-            return None
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until published: collect_garbage leaves it alone
+            view = memoryview(record)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+            os.rename(part, final)
+            _fsync_dir(final.parent)
         except OSError as exc:
-            log.warning("%s: skipping unreadable entry file %s: %s", self.name, path.name, exc)
+            if fd >= 0:
+                os.close(fd)
+                _unlink(part)
+            log.warning("%s: cannot write entry %r (%s); not stored, any old value kept", self.name, info.key, exc)
+            self.metrics.count("errors")
             return None
-        return stat.st_mtime, info.key, stat.st_size
+        try:
+            meta = parse_info(record, len(record)).meta
+        except CorruptEntryError:  # a verbatim record (write_record): reads will judge it
+            meta = info.meta
+        return _Staged(self, info.key, name, len(record), meta, fd)
+
+    def _publish(self, staged: "_Staged") -> bool:
+        """The index transaction of a write: make room, name the new file, and unlink what it replaced."""
+        raw = staged.meta.get("raw_bytes")
+        raw = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+
+        def publish(db: sqlite3.Connection) -> tuple[list[str], list[str], int]:
+            self._write_touches(db)
+            clock = self._advance_clock(db)
+            old = db.execute("SELECT file, size FROM entries WHERE key = ?", (staged.key,)).fetchone()
+            entries, used = db.execute("SELECT entries, bytes FROM totals").fetchone()
+            if old is not None:
+                entries, used = entries - 1, used - old[1]
+            victims, names, freed = [], [], 0
+            if self.capacity is not None and used + staged.size > self.capacity:
+                rows = db.execute("SELECT key, file, size FROM entries WHERE key != ? ORDER BY access", (staged.key,))
+                for key, name, size in rows:
+                    if used - freed + staged.size <= self.capacity:
+                        break
+                    victims.append(key)
+                    names.append(name)
+                    freed += size
+                rows.close()
+                for start in range(0, len(victims), _QUERY_BATCH):
+                    batch = victims[start:start + _QUERY_BATCH]
+                    db.execute(f"DELETE FROM entries WHERE key IN ({','.join('?' * len(batch))})", batch)
+            db.execute(
+                "INSERT OR REPLACE INTO entries (key, file, size, raw_bytes, meta, access) VALUES (?, ?, ?, ?, ?, ?)",
+                (staged.key, staged.name, staged.size, raw, json.dumps(staged.meta, sort_keys=True), clock),
+            )
+            db.execute("UPDATE totals SET entries = ?, bytes = ?",
+                       (entries - len(victims) + 1, used - freed + staged.size))
+            return victims, names + ([old[0]] if old is not None else []), freed
+
+        result = self._transaction(publish, None)
+        if result is None:
+            log.warning("%s: cannot index entry %r; not stored, any old value kept", self.name, staged.key)
+            _unlink(self._entries / staged.name)
+            return False
+        victims, unreferenced, freed = result
+        for name in unreferenced:
+            _unlink(self._entries / name)
+        self._evicted(victims, freed)
+        return True
+
+    # --- recency ------------------------------------------------------------------
+
+    def _touch(self, key: str) -> None:
+        """Record a read; reads reach the index with the next write or within ``TOUCH_FLUSH_S``."""
+        with self._lock:
+            self._touched.pop(key, None)  # (re-)insert at the end: the dict keeps read order
+            self._touched[key] = None
+            due = time.monotonic() - self._touch_flushed >= TOUCH_FLUSH_S
+        if due:
+            self._flush_touches()
+
+    def _flush_touches(self) -> None:
+        self._transaction(self._write_touches, None)
+
+    def _write_touches(self, db: sqlite3.Connection) -> None:
+        """Make the keys read since the last flush the most recent entries, in the order they were read."""
+        touched, self._touched = list(self._touched), {}
+        self._touch_flushed = time.monotonic()
+        if touched:
+            first = self._advance_clock(db, len(touched)) - len(touched) + 1
+            db.executemany("UPDATE entries SET access = ? WHERE key = ?",
+                           [(first + i, key) for i, key in enumerate(touched)])
+
+    @staticmethod
+    def _advance_clock(db: sqlite3.Connection, ticks: int = 1) -> int:
+        """Advance the store's clock by ``ticks``; its new value."""
+        return db.execute("UPDATE totals SET clock = clock + ? RETURNING clock", (ticks,)).fetchone()[0]
+
+    # --- the index connection -----------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        path = self.root / INDEX
+        try:
+            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            if db.execute("PRAGMA user_version").fetchone()[0] > SCHEMA_VERSION:
+                db.close()
+                raise UsageError(f"file store {self.root} was made by a newer kvtool (index version too new)")
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+        except sqlite3.Error as exc:
+            raise UsageError(f"cannot open the index of file store {self.root}: {exc}") from None
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o600)
+        return db
+
+    def _connection(self) -> sqlite3.Connection:
+        """The index connection; a forked child opens its own (SQLite connections must not cross a fork)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._db = self._connect()
+            self._touched = {}
+        return self._db
+
+    def _row(self, query: str, *params: Any) -> tuple | None:
+        """The first row of a query; None if there is none or the index cannot be read (logged)."""
+        return self._query(lambda db: db.execute(query, params).fetchone(), None)
+
+    def _query(self, fn: Callable[[sqlite3.Connection], T], on_failure: T) -> T:
+        with self._lock:
+            try:
+                return fn(self._connection())
+            except sqlite3.Error as exc:
+                log.warning("%s: index query failed (%s)", self.name, exc)
+                self.metrics.count("errors")
+                return on_failure
+
+    def _transaction(self, fn: Callable[[sqlite3.Connection], T], on_failure: T) -> T:
+        """Run ``fn`` in one write transaction (other writers wait up to ``BUSY_TIMEOUT_S``)."""
+        with self._lock:
+            db = self._connection()
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    result = fn(db)
+                    db.execute("COMMIT")
+                    return result
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                log.warning("%s: index update failed (%s)", self.name, exc)
+                self.metrics.count("errors")
+                return on_failure
+
+    def _shards(self) -> Iterator[Path]:
+        for shard in _listdir(self._entries):
+            if _SHARD.fullmatch(shard.name) and shard.is_dir():
+                yield shard
 
 
-def _read_info(path: Path) -> EntryInfo:
+class _Staged:
+    """A record in its final file, locked and not yet indexed."""
+
+    def __init__(self, store: FileStore, key: str, name: str, size: int, meta: dict, fd: int) -> None:
+        self.store, self.key, self.name, self.size, self.meta, self._fd = store, key, name, size, meta, fd
+
+    def commit(self) -> bool:
+        try:
+            return self.store._publish(self)
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        _unlink(self.store._entries / self.name)
+        self._release()
+
+    def _release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the flock
+            self._fd = -1
+
+
+def _read_exactly(path: Path, size: int) -> bytes:
+    """The file's bytes, if it holds exactly the ``size`` the index recorded (checked before reading)."""
     with open(path, "rb") as f:
-        record_size = os.fstat(f.fileno()).st_size
-        head = f.read(HEADER.size)
-        key_len, meta_len, _ = parse_head(head, record_size)
-        return parse_info(head + f.read(key_len + meta_len), record_size)
+        actual = os.fstat(f.fileno()).st_size
+        if actual != size:
+            raise CorruptEntryError(f"length mismatch: the file has {actual} bytes, the index says {size}")
+        return f.read()
 
 
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+def _abandoned(path: Path, grace_s: float) -> bool:
+    """True if no process holds ``path``'s write lock and it is older than ``grace_s``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if time.time() - os.fstat(fd).st_mtime < grace_s:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also releases the lock just taken
+
+
+def _listdir(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
+
+
+def _unlink(path: Path) -> int:
+    try:
         path.unlink()
+        return 1
+    except FileNotFoundError:
+        return 0
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -49,10 +49,9 @@ class MemoryStore(Store):
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         with self._lock:
             victims = self._lru.admit(info.key, len(record))
-            for victim in victims:
-                del self._records[victim]
+            freed = sum(len(self._records.pop(victim)) for victim in victims)
             self._records[info.key] = record
-        self._evicted(victims)
+        self._evicted(victims, freed)
         return True
 
     def _delete(self, key: str) -> bool:
@@ -63,6 +62,10 @@ class MemoryStore(Store):
     def _contains(self, key: str) -> bool:
         with self._lock:
             return key in self._records
+
+    def _count(self) -> int:
+        with self._lock:
+            return len(self._records)
 
     def _keys(self) -> list[str]:
         with self._lock:

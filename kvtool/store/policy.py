@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -22,11 +23,12 @@ class Placement:
     """What ``TieredStore`` knows about one entry: where it is and how it is used."""
 
     key: str
-    tier: int
+    tier: int  # the highest tier holding it
     size: int  # bytes of the stored record
     tokens: int | None  # tokens of KV cache the entry holds, from its metadata
     last_access: float  # time.monotonic() of the last put, get or touch
     hits: int = 0
+    copy_in: int | None = None  # a persistent tier below that holds the same record (write-behind)
 
 
 class TierProfile:
@@ -133,3 +135,77 @@ class CostAwarePolicy(Policy):
 
     def describe(self) -> str:
         return f"{self.name}(prefill_seconds_per_token={self.prefill_seconds_per_token:g}, half_life_s={self.half_life_s:g})"
+
+
+class HintedPolicy(Policy):
+    """Another policy, plus what a caller knows of the future: ``hint(key, returns_in_s)``.
+
+    The party that knows when an entry is needed again (an agent framework that
+    has just sent a 30-second tool call) says so. While a hinted entry is not
+    due for more than ``soon_s`` seconds it leaves a full tier before any other
+    entry, the one due last leaving first; once it is due within ``soon_s`` (or
+    overdue by less than ``soon_s``) it leaves after every other entry. Entries
+    without a live hint keep the wrapped policy's order and admission. A hint
+    lapses when the entry is used after it was given (``Placement.last_access``),
+    ``soon_s`` after it fell due, or on ``hint(key, None)``.
+
+    ``TieredStore`` consults only ``admits`` and ``coldest_first``, so wrapping
+    the policy of a running store (``store.policy = HintedPolicy(store.policy)``)
+    is all it takes.
+    """
+
+    def __init__(self, inner: Policy, soon_s: float = 5.0, max_hints: int = 100_000) -> None:
+        if not (math.isfinite(soon_s) and soon_s >= 0):
+            raise UsageError(f"soon_s must be a number of seconds, not {soon_s!r}")
+        self.inner = inner
+        self.name = inner.name
+        self.soon_s = soon_s
+        self.max_hints = max_hints
+        self._hints: dict[str, tuple[float, float]] = {}  # key -> (due, hinted at), both time.monotonic()
+        self._lock = threading.Lock()
+
+    def hint(self, key: str, returns_in_s: float | None, now: float | None = None) -> None:
+        """``key`` is needed again in about ``returns_in_s`` seconds, not before; None forgets the hint."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if returns_in_s is None:
+                self._hints.pop(key, None)
+                return
+            if not (math.isfinite(returns_in_s) and returns_in_s >= 0):
+                raise UsageError(f"returns_in_s must be a non-negative number of seconds, not {returns_in_s!r}")
+            if key not in self._hints and len(self._hints) >= self.max_hints:
+                self._hints = {k: h for k, h in self._hints.items() if h[0] + self.soon_s >= now}
+                if len(self._hints) >= self.max_hints:
+                    raise UsageError(f"{self.max_hints} hints are live; wait for some to fall due")
+            self._hints[key] = (now + returns_in_s, now)
+
+    def due_in(self, key: str, now: float | None = None) -> float | None:
+        """Seconds until ``key`` is due by its hint (negative when overdue); None without a hint."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            hint = self._hints.get(key)
+        return None if hint is None or hint[0] + self.soon_s < now else hint[0] - now
+
+    def admits(self, placement: Placement, profile: TierProfile) -> bool:
+        return self.inner.admits(placement, profile)
+
+    def coldest_first(self, placements: list[Placement], profile: TierProfile, now: float) -> list[Placement]:
+        ordered = self.inner.coldest_first(placements, profile, now)
+        with self._lock:
+            due = {p.key: self._live_due(p, now) for p in ordered if p.key in self._hints}
+        later = sorted((p for p in ordered if (due.get(p.key) or -math.inf) > now + self.soon_s),
+                       key=lambda p: -due[p.key])
+        leaving_first = {p.key for p in later}
+        soon = [p for p in ordered if due.get(p.key) is not None and p.key not in leaving_first]
+        rest = [p for p in ordered if due.get(p.key) is None]
+        return later + rest + soon
+
+    def _live_due(self, placement: Placement, now: float) -> float | None:
+        due, hinted_at = self._hints[placement.key]
+        if placement.last_access > hinted_at or due + self.soon_s < now:
+            del self._hints[placement.key]  # used since, or long overdue: the hint has lapsed
+            return None
+        return due
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} with hints"

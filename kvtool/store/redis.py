@@ -3,19 +3,33 @@
 ``redis://[[user]:password@]host:6379/0?ttl=3600&timeout=1&prefix=kvtool:``
 (``rediss://`` for TLS). The password comes from the URL or, when the URL has
 none, from the environment variable ``KVTOOL_REDIS_PASSWORD``; it never appears
-in ``repr``, messages or logs.
+in ``repr``, messages or logs. ``kvtool.store.redis_cluster`` is the same tier
+over a Redis Cluster.
 
-Options: ``ttl`` (seconds an entry lives; default: until Redis evicts it),
+Options: ``ttl`` (seconds an entry lives after it is written; default 86400, a
+day; ``ttl=none``: until Redis evicts it),
 ``timeout`` (socket timeout, seconds, default 1), ``connect_timeout`` (default
 0.5), ``prefix`` (namespace for the keys, default ``kvtool:``), ``backoff``
 (seconds to treat the server as down after a failure, default 1), and for TLS
 ``ssl_ca_certs`` and ``ssl_cert_reqs``, passed to redis-py.
 
+The default TTL trades a recompute for bounded memory: a prefix unused for a day
+is gone and computed again, but a Redis server left at its default
+``maxmemory-policy noeviction`` never fills up with entries no one reads (once
+full, every put fails). With ``ttl=none`` set ``maxmemory`` and
+``maxmemory-policy allkeys-lru`` on the server, so Redis evicts the coldest.
+
 Every failure (server down, timeout, a key Redis evicted, a damaged value) is a
 miss, or ``False`` from ``put``, with the reason logged: a cache that cannot be
 reached must never stop the caller. After a failure the store does not try the
 server again for ``backoff`` seconds, so a dead server costs the caller one
-timeout, not one per call.
+timeout, not one per call (a circuit breaker).
+
+Batch calls (``get_many``, ``put_many``, ``contains_many``) cost one round trip
+per server, with one ``MGET`` per group of keys a server holds together. Replies
+are parsed by ``hiredis`` when it is installed (the ``redis`` extra installs
+it); requests are packed by redis-py's own packer, which sends a large value as
+its own buffer where hiredis' would first copy it into one command string.
 """
 
 from __future__ import annotations
@@ -23,25 +37,59 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kvtool.errors import UsageError
-from kvtool.store.base import Store, log
-from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, parse_info
+from kvtool.store.base import Store, Value, log
+from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, check_key, parse_info, wrap
 from kvtool.store.url import parse_options, positive_seconds, redact, split_query
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
+DEFAULT_TTL = 86400.0  # seconds
 _TLS_OPTIONS = ("ssl_ca_certs", "ssl_cert_reqs")  # passed to redis-py as they are
 _INFO_PREFIX = HEADER.size + MAX_KEY_BYTES + MAX_META_BYTES
 
 _CONSEQUENCE = {"get": "treated as a miss", "put": "not stored", "delete": "not deleted"}
+EVERYWHERE = "*"  # the breaker scope that covers every server of a store
 
 T = TypeVar("T")
+
+
+class _UnbufferedValues:
+    """redis-py's Python packer: a value above 6 kB goes to the socket as its own buffer.
+
+    With hiredis installed redis-py packs every command with hiredis, which
+    copies each value into one new command string first (94 MB for a large
+    entry); replies are still parsed by hiredis.
+    """
+
+    def _construct_command_packer(self, packer):
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class UnbufferedConnection(_UnbufferedValues, redis.Connection):
+    """A plain TCP connection that sends large values without copying them (TLS copies anyway)."""
+
+
+@dataclass
+class Group:
+    """Keys one server answers in one round trip: ``batches`` are lists of indices into the
+    caller's keys, one multi-key command each (keys of one hash slot in a cluster)."""
+
+    scope: str  # the circuit breaker this server falls under
+    client: Any  # a redis.Redis for that server
+    batches: list[list[int]]
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for batch in self.batches for i in batch]
 
 
 class RedisStore(Store):
@@ -50,12 +98,13 @@ class RedisStore(Store):
     shared = True
     typical_latency_s = 3e-4
     typical_bandwidth = 1e9
+    _whole = "the server"  # what EVERYWHERE means, for log messages
 
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
         *,
-        ttl: float | None = None,
+        ttl: float | None = DEFAULT_TTL,
         timeout: float = 1.0,
         connect_timeout: float = 0.5,
         prefix: str = DEFAULT_PREFIX,
@@ -68,29 +117,29 @@ class RedisStore(Store):
         base, query = split_query(url)
         self._base = redact(base)
         if query:
-            raise UsageError(f"RedisStore({self._base!r}, ...) takes options as arguments; RedisStore.from_url reads a query")
+            raise UsageError(
+                f"{type(self).__name__}({self._base!r}, ...) takes options as arguments; "
+                f"{type(self).__name__}.from_url reads a query"
+            )
         self.ttl = ttl
         self.prefix = prefix
         self.backoff = backoff
-        password = os.environ.get(PASSWORD_ENV) if self._base == base else None
-        try:
-            self._client = redis.Redis.from_url(
-                base,
-                socket_timeout=timeout,
-                socket_connect_timeout=connect_timeout,
-                retry=Retry(NoBackoff(), 0),
-                **({"password": password} if password else {}),
-                **(tls or {}),
-            )
-        except ValueError as exc:
-            raise UsageError(f"bad redis URL {self._base!r}: {exc}") from None
-        self._down_until = 0.0
+        self._down_until: dict[str, float] = {}
         self._state_lock = threading.Lock()
+        password = os.environ.get(PASSWORD_ENV) if self._base == base else None
+        options: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": connect_timeout,
+            "retry": Retry(NoBackoff(), 0),
+            **({"password": password} if password else {}),
+            **(tls or {}),
+        }
+        self._open_client(base, options)
 
     @classmethod
     def from_url(cls, url: str) -> "RedisStore":
         parsers: dict[str, Callable[[str], Any]] = {
-            "ttl": positive_seconds,
+            "ttl": _ttl,
             "timeout": positive_seconds,
             "connect_timeout": positive_seconds,
             "backoff": float,
@@ -102,21 +151,46 @@ class RedisStore(Store):
 
     def describe(self) -> str:
         options = {
-            "ttl": f"{self.ttl:g}" if self.ttl else None,
+            "ttl": None if self.ttl == DEFAULT_TTL else "none" if self.ttl is None else f"{self.ttl:g}",
             "prefix": self.prefix if self.prefix != DEFAULT_PREFIX else None,
         }
         query = "&".join(f"{k}={v}" for k, v in options.items() if v is not None)
         return self._base + ("?" + query if query else "")
 
-    # --- hooks ----------------------------------------------------------------
+    # --- what differs between one server and a cluster ---------------------------
+
+    def _open_client(self, base: str, options: dict[str, Any]) -> None:
+        tls = base.lower().startswith("rediss:")
+        try:
+            self._client = redis.Redis.from_url(
+                base, **options, **({} if tls else {"connection_class": UnbufferedConnection})
+            )
+        except ValueError as exc:
+            raise UsageError(f"bad redis URL {self._base!r}: {exc}") from None
+
+    def _scope(self, key: str) -> str:
+        """The circuit breaker a call on ``key`` falls under: the server that holds it."""
+        return EVERYWHERE
+
+    def _groups(self, keys: Sequence[str]) -> list[Group]:
+        return [Group(EVERYWHERE, self._client, [list(range(len(keys)))])] if keys else []
+
+    def _servers(self) -> list[tuple[str, Any]]:
+        """``(scope, client)`` of every server that holds keys, for ``keys()``."""
+        return [(EVERYWHERE, self._client)]
+
+    def _redirected(self, exc: Exception) -> bool:
+        """Whether a batch failed only because a key lives elsewhere now (a cluster's MOVED)."""
+        return False
+
+    # --- single-key hooks ---------------------------------------------------------
 
     def _read(self, key: str) -> bytes | None:
         record = self._call("get", key, lambda: self._client.get(self._k(key)), None)
         return None if record is None else bytes(record)
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        px = None if self.ttl is None else max(1, int(self.ttl * 1000))
-        return bool(self._call("put", info.key, lambda: self._client.set(self._k(info.key), record, px=px), False))
+        return bool(self._call("put", info.key, lambda: self._client.set(self._k(info.key), record, px=self._px), False))
 
     def _delete(self, key: str) -> bool:
         return bool(self._call("delete", key, lambda: self._client.delete(self._k(key)), 0))
@@ -126,12 +200,14 @@ class RedisStore(Store):
 
     def _keys(self) -> list[str]:
         pattern = _glob_escape(self.prefix) + "*"
+        n = len(self.prefix.encode())
+        found: dict[str, None] = {}  # ordered, and a key seen on two servers mid-migration counts once
+        for scope, client in self._call("keys", None, self._servers, [], scope=EVERYWHERE):
+            def scan(client=client) -> list[str]:
+                return [k[n:].decode("utf-8", "replace") for k in client.scan_iter(match=pattern, count=1000)]
 
-        def scan() -> list[str]:
-            n = len(self.prefix.encode())
-            return [k[n:].decode("utf-8", "replace") for k in self._client.scan_iter(match=pattern, count=1000)]
-
-        return self._call("keys", None, scan, [])
+            found.update(dict.fromkeys(self._call("keys", None, scan, [], scope=scope)))
+        return list(found)
 
     def _info(self, key: str) -> EntryInfo | None:
         def head() -> tuple[int, bytes]:
@@ -147,30 +223,153 @@ class RedisStore(Store):
     def _close(self) -> None:
         self._client.close()
 
+    # --- batches: one round trip per server ---------------------------------------
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        keys = _checked(keys)
+        self._check_open()
+        start = time.perf_counter()
+
+        def queue(pipe, batch: list[str]) -> None:
+            pipe.mget([self._k(k) for k in batch])
+
+        records = self._batched("get", keys, queue, lambda replies: [r for reply in replies for r in reply], self._read)
+        elapsed = time.perf_counter() - start  # every key waited for the whole batch
+        values: list[bytes | None] = []
+        for key, record in zip(keys, records):
+            entry = None if record is None else self._verified(key, bytes(record))
+            if entry is None:
+                self.metrics.miss(elapsed)
+                values.append(None)
+            else:
+                self.metrics.hit(elapsed, entry.size)
+                values.append(bytes(entry.value))
+        return values
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        keys = _checked(keys)
+        self._check_open()
+
+        def queue(pipe, batch: list[str]) -> None:
+            for key in batch:
+                pipe.exists(self._k(key))
+
+        return [bool(n) for n in self._batched("contains", keys, queue, list, self._contains)]
+
+    def put_many(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]]) -> list[bool]:
+        pairs = items.items() if isinstance(items, Mapping) else items
+        entries = [wrap(key, value) for key, value in pairs]
+        self._check_open()
+        by_key = {entry.key: entry for entry in entries}  # the last value of a repeated key wins, as in a loop
+
+        def queue(pipe, batch: list[str]) -> None:
+            for key in batch:
+                pipe.set(self._k(key), by_key[key].record, px=self._px)
+
+        def one(key: str) -> bool:
+            return self._write(by_key[key], by_key[key].record)
+
+        keys = list(by_key)
+        stored = dict(zip(keys, (bool(ok) for ok in self._batched("put", keys, queue, list, one))))
+        for entry in entries:
+            if not stored[entry.key]:
+                self.metrics.count("put_failures")
+            elif by_key[entry.key] is entry:
+                self.metrics.stored(entry.size - entry.value_offset, entry.size)
+        return [stored[entry.key] for entry in entries]
+
+    def _batched(
+        self,
+        op: str,
+        keys: list[str],
+        queue: Callable[[Any, list[str]], None],
+        flatten: Callable[[list], list],
+        one: Callable[[str], Any],
+    ) -> list:
+        """Run ``op`` for ``keys`` with one pipeline per server; a key of a failed server gets None.
+
+        ``queue`` adds the commands for one batch of keys to a pipeline,
+        ``flatten`` turns the pipeline's replies into one result per key, and
+        ``one`` does a single key (used when a cluster moved some keys).
+        """
+        results: list = [None] * len(keys)
+        groups = self._call(op, f"<{len(keys)} keys>", lambda: self._groups(keys), [], scope=EVERYWHERE)
+        for group in groups:
+            indices = group.indices
+
+            def run(group=group, indices=indices) -> list:
+                pipe = group.client.pipeline(transaction=False)
+                for batch in group.batches:
+                    queue(pipe, [keys[i] for i in batch])
+                try:
+                    return flatten(pipe.execute())
+                except redis.ResponseError as exc:
+                    if not self._redirected(exc):
+                        raise
+                    log.debug("%s: %s of %d keys redirected (%s); asking key by key", self.name, op, len(indices), exc)
+                    return [one(keys[i]) for i in indices]
+
+            replies = self._call(op, f"<{len(indices)} keys>", run, None, scope=group.scope)
+            if replies is not None:
+                for i, reply in zip(indices, replies):
+                    results[i] = reply
+        return results
+
     # --- helpers --------------------------------------------------------------
+
+    @property
+    def _px(self) -> int | None:
+        return None if self.ttl is None else max(1, int(self.ttl * 1000))
 
     def _k(self, key: str) -> bytes:
         return (self.prefix + key).encode()
 
-    def _call(self, op: str, key: str | None, fn: Callable[[], T], on_failure: T) -> T:
-        """Run one Redis call; a failure is logged and becomes ``on_failure``."""
-        with self._state_lock:
-            down = time.monotonic() < self._down_until
-        if down:
-            log.debug("%s: %s %r skipped: the server failed less than %.1fs ago", self.name, op, key, self.backoff)
+    def _failures(self) -> tuple[type[BaseException], ...]:
+        return (redis.RedisError, OSError)
+
+    def _call(self, op: str, key: str | None, fn: Callable[[], T], on_failure: T, scope: str | None = None) -> T:
+        """Run one Redis call; a failure is logged, trips the breaker of its scope and becomes ``on_failure``."""
+        scope = scope or (EVERYWHERE if key is None or self._is_down(EVERYWHERE) else self._scope(key))
+        if self._is_down(scope) or self._is_down(EVERYWHERE):
+            log.debug("%s: %s %r skipped: %s failed less than %.1fs ago", self.name, op, key, self._where(scope), self.backoff)
             self.metrics.count("errors")
             return on_failure
         try:
             return fn()
-        except (redis.RedisError, OSError) as exc:
+        except self._failures() as exc:
+            tripped = self._tripped(scope, exc)
             with self._state_lock:
-                self._down_until = time.monotonic() + self.backoff
+                self._down_until[tripped] = time.monotonic() + self.backoff
             log.warning(
-                "%s: %s %r failed (%s: %s); %s; the server is tried again after %.1fs",
-                self.name, op, key, type(exc).__name__, exc, _CONSEQUENCE.get(op, "treated as absent"), self.backoff,
+                "%s: %s %r failed (%s: %s); %s; %s is tried again after %.1fs",
+                self.name, op, key, type(exc).__name__, exc, _CONSEQUENCE.get(op, "treated as absent"),
+                self._where(tripped), self.backoff,
             )
             self.metrics.count("errors")
             return on_failure
+
+    def _tripped(self, scope: str, exc: BaseException) -> str:
+        """The scope a failure takes down (by default the one the call was made in)."""
+        return scope
+
+    def _is_down(self, scope: str) -> bool:
+        with self._state_lock:
+            return time.monotonic() < self._down_until.get(scope, 0.0)
+
+    def _where(self, scope: str) -> str:
+        return self._whole if scope == EVERYWHERE else f"node {scope}"
+
+
+def _checked(keys: Sequence[str]) -> list[str]:
+    keys = list(keys)
+    for key in keys:
+        check_key(key)
+    return keys
+
+
+def _ttl(text: str) -> float | None:
+    """``ttl=none`` keeps entries until Redis evicts them; otherwise positive seconds."""
+    return None if text.strip().lower() == "none" else positive_seconds(text)
 
 
 def _glob_escape(text: str) -> str:

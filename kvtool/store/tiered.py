@@ -4,14 +4,28 @@ New entries land in the highest tier the policy admits them to. A tier that
 needs room demotes its coldest entries (by the policy's order) to the next tier
 that admits them and has room, instead of dropping them; the bottom tier
 evicts. A hit in a lower tier is promoted to the top (``promote=True``).
-Pinned entries are never demoted or evicted. On ``close`` (``save_on_close``),
-entries of tiers that die with the process (memory) move down to a persistent
-tier, so the next process finds them.
+Pinned entries are never demoted or evicted by this store.
 
-Each entry lives in one tier. The exception is a ``shared`` tier (Redis):
-other processes may rely on its entries, so promoting an entry out of it
-leaves its copy there. Entries of non-shared tiers are indexed when the
-``TieredStore`` opens; shared tiers are asked on demand.
+Write-behind (``write_behind=N``, off by default; the vLLM connector turns it
+on): an entry put into a tier that dies with the process (memory) is also
+copied, in the background, to the first persistent tier below it that the
+policy admits (file, Redis), and stays where it was put. The queue holds at most
+``write_behind`` entries; when it is full, ``put`` copies the entry itself before
+returning. So at any moment at most ``write_behind`` entries (plus the one being
+written) exist only in memory, and a killed process loses at most those; other
+processes see an entry once its copy is written. ``flush()`` waits for the
+queue. Demoting an entry that already has its copy is a delete. On ``close``
+(``save_on_close``) the queue is drained and what is left in volatile tiers moves
+down, so the next process finds it.
+
+Each entry lives in one tier, apart from its write-behind copy and ``shared``
+tiers (file, Redis): other processes rely on their entries, so promoting an
+entry out of one leaves its copy there. A shared tier evicts by itself, across
+every process's entries (its own least recently used order), so this store
+only demotes out of a shared tier when a lower tier can take the entry; the
+entries it knows that a tier evicts by itself are reported as ``evicted``
+events. Entries of non-shared tiers are indexed when the ``TieredStore`` opens;
+shared tiers are asked on demand.
 
 Hot/cold scheduling: ``offload(key, to)``, ``prefetch(keys)`` (a background
 thread pool; returns futures), ``pin``/``unpin``, ``evict``, ``touch``,
@@ -20,11 +34,15 @@ callbacks run in the thread that caused the event, after the store's lock is
 released, so a callback may call the store.
 
 Thread-safe: one lock guards the index and every move between tiers; reads of
-a tier run outside it, so a slow lower tier does not block hits elsewhere.
+a tier run outside it, so a slow lower tier does not block hits elsewhere, and
+write-behind writes its copy outside it too (``Store.stage_entry``).
 """
 
 from __future__ import annotations
 
+import functools
+import queue
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,8 +52,10 @@ from typing import Any, Callable, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.base import Store, log
-from kvtool.store.entry import Entry, EntryInfo, check_key
+from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, unwrap
 from kvtool.store.policy import LRUPolicy, Placement, Policy, TierProfile
+
+DEFAULT_WRITE_BEHIND = 64  # entries that may wait in memory for their persistent copy (the vLLM connector's)
 
 EVENT_KINDS = ("stored", "demoted", "promoted", "evicted", "failed")
 _READ_ATTEMPTS = 3  # a concurrent move can hide an entry from one read, not from three
@@ -63,12 +83,15 @@ class TieredStore(Store):
         *,
         save_on_close: bool = True,
         prefetch_workers: int = 4,
+        write_behind: int = 0,
         name: str | None = None,
     ) -> None:
         if not tiers:
             raise UsageError("a tiered store needs at least one tier")
-        super().__init__(capacity=None, name=name)
+        if write_behind < 0:
+            raise UsageError(f"write_behind is a number of entries, not {write_behind}")
         self.tiers = list(tiers)
+        super().__init__(capacity=None, name=name)
         self.tier_names = _unique_names([t.name for t in self.tiers])
         self.policy = policy or LRUPolicy()
         self.promote = promote
@@ -85,10 +108,24 @@ class TieredStore(Store):
         self._subscribers: list[Callable[[StoreEvent], None]] = []
         self._pending: list[StoreEvent] = []
         self._event_counts: Counter[str] = Counter()
+        self._write_behind = _WriteBehind(self, write_behind) if write_behind else None
+        for index, tier in enumerate(self.tiers):
+            tier.on_evicted = functools.partial(self._tier_evicted, index)
         self._index_tiers()
 
     def describe(self) -> str:
         return ",".join(t.describe() for t in self.tiers)
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    @read_only.setter
+    def read_only(self, value: bool) -> None:
+        """Read-only applies to every tier too: a damaged entry below stays where it is."""
+        self._read_only = value
+        for tier in getattr(self, "tiers", ()):
+            tier.read_only = value
 
     @property
     def used_bytes(self) -> int:
@@ -100,7 +137,7 @@ class TieredStore(Store):
         check_key(key)
         self._check_open()
         start = time.perf_counter()
-        entry = self._fetch(key, to_top=self.promote, reason="hit")
+        entry = self._fetch(key, to_top=self.promote and not self.read_only, reason="hit")
         if entry is None:
             self.metrics.miss(time.perf_counter() - start)
         else:
@@ -118,18 +155,28 @@ class TieredStore(Store):
                 pinned=len(self._pinned),
                 events={kind: self._event_counts[kind] for kind in EVENT_KINDS},
             )
+        if self._write_behind is not None:
+            data["write_behind"] = self._write_behind.stats()
         data["tiers"] = [
             {"tier": name, **tier.stats(), "indexed_entries": indexed[i], "profile": profile.to_dict()}
             for i, (name, tier, profile) in enumerate(zip(self.tier_names, self.tiers, self.profiles))
         ]
         return data
 
+    def flush(self) -> None:
+        """Wait until every entry put so far has its copy in a persistent tier (or failed to get one)."""
+        self._check_open()
+        if self._write_behind is not None:
+            self._write_behind.flush()
+
     def close(self) -> None:
         if self._closed:
             return
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
-        if self.save_on_close:
+        if self._write_behind is not None:
+            self._write_behind.close(drain=self.save_on_close and not self.read_only)
+        if self.save_on_close and not self.read_only:
             with self._lock:
                 self._save_volatile()
             self._flush_events()
@@ -142,7 +189,8 @@ class TieredStore(Store):
         self._check_key_open(key)
         with self._lock:
             placement = self._locate(key)
-            return None if placement is None else self.tier_names[placement.tier]
+        self._flush_events()
+        return None if placement is None else self.tier_names[placement.tier]
 
     def offload(self, key: str, to: str | int = -1) -> bool:
         """Move ``key`` to the tier named or numbered ``to`` (default: the bottom); False if absent or refused."""
@@ -172,10 +220,11 @@ class TieredStore(Store):
         """Keep ``key`` in its tier (or higher) until ``unpin``; False if it is not stored."""
         self._check_key_open(key)
         with self._lock:
-            if self._locate(key) is None:
-                return False
-            self._pinned.add(key)
-            return True
+            found = self._locate(key) is not None
+            if found:
+                self._pinned.add(key)
+        self._flush_events()
+        return found
 
     def unpin(self, key: str) -> bool:
         """True if ``key`` was pinned."""
@@ -206,7 +255,8 @@ class TieredStore(Store):
             placement = self._locate(key)
             if placement is not None:
                 placement.last_access = time.monotonic()
-            return placement is not None
+        self._flush_events()
+        return placement is not None
 
     def subscribe(self, callback: Callable[[StoreEvent], None]) -> Callable[[], None]:
         """Call ``callback(event)`` for every event; returns a function that unsubscribes it."""
@@ -231,6 +281,10 @@ class TieredStore(Store):
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         with self._lock:
             stored = self._place(info, record)
+            persist = stored and self._write_behind is not None
+            persist = persist and self._persist_target(self._placed[info.key]) is not None
+        if persist:
+            self._write_behind.submit(info.key)
         self._flush_events()
         return stored
 
@@ -242,22 +296,29 @@ class TieredStore(Store):
 
     def _contains(self, key: str) -> bool:
         with self._lock:
-            if key in self._placed:
+            placement = self._placed.get(key)
+            if placement is not None and not self.tiers[placement.tier].shared:
                 return True
         return any(self.tiers[i].contains(key) for i in self._shared_tiers())
 
     def _keys(self) -> list[str]:
         with self._lock:
-            keys = dict.fromkeys(self._placed)
+            keys = dict.fromkeys(k for k, p in self._placed.items() if not self.tiers[p.tier].shared)
         for i in self._shared_tiers():
             keys.update(dict.fromkeys(self.tiers[i].keys()))
         return list(keys)
 
     def _info(self, key: str) -> EntryInfo | None:
         with self._lock:
-            placement = self._locate(key)
-            tier = None if placement is None else self.tiers[placement.tier]
-        return None if tier is None else tier.info(key)
+            placement = self._placed.get(key)
+            tier = None if placement is None or self.tiers[placement.tier].shared else self.tiers[placement.tier]
+        if tier is not None:
+            return tier.info(key)
+        for index in self._shared_tiers():  # asked without indexing: lookups must not grow the index
+            info = self.tiers[index].info(key)
+            if info is not None:
+                return info
+        return None
 
     def _close(self) -> None:
         for tier in self.tiers:
@@ -280,8 +341,8 @@ class TieredStore(Store):
                 written = tier.put_entry(info) if isinstance(info, Entry) else tier.write_record(info.key, record)
                 if not written:
                     continue
-                if old is not None and old.tier != index:
-                    self.tiers[old.tier].delete(info.key)
+                for stale in {old.tier, old.copy_in} - {index, None} if old is not None else ():
+                    self.tiers[stale].delete(info.key)  # the old value must not outlive the new one
                 placement.tier = index
                 self._placed[info.key] = placement
                 self._event("stored", info.key, index)
@@ -292,13 +353,20 @@ class TieredStore(Store):
         return False
 
     def _make_room(self, index: int, need: int) -> bool:
-        """Demote entries out of tier ``index`` until ``need`` more bytes fit; False if they cannot."""
+        """Demote entries out of tier ``index`` until ``need`` more bytes fit; False if they cannot.
+
+        A shared tier evicts by itself when written (other processes' entries
+        compete for its room): entries this store knows there are only demoted
+        when a lower tier exists, and the tier makes the rest of the room.
+        """
         tier = self.tiers[index]
         if tier.capacity is None or need <= 0:
             return True
         if need > tier.capacity:
             return False
         if tier.capacity - (tier.used_bytes or 0) >= need:
+            return True
+        if tier.shared and index == len(self.tiers) - 1:
             return True
         candidates = [
             p for p in self._placed.values()
@@ -309,7 +377,7 @@ class TieredStore(Store):
                 self._demote(victim)
             if tier.capacity - (tier.used_bytes or 0) >= need:
                 return True
-        return False
+        return tier.shared
 
     def _demote(self, placement: Placement) -> None:
         """Move an entry to the next lower tier that admits it and has room, or evict it."""
@@ -322,33 +390,40 @@ class TieredStore(Store):
             if self._placed.get(placement.key) is not placement:
                 return  # the entry turned out to be gone
         reason = "bottom tier full" if source == len(self.tiers) - 1 else "no lower tier admits it or has room"
-        self._remove_everywhere(placement.key, reason)
+        self._remove_everywhere(placement.key, reason, evicted=True)
 
     def _move(
         self, placement: Placement, target: int, reason: str, entry: Entry | None = None, report_no_room: bool = False
     ) -> bool:
-        """Copy an entry to tier ``target`` and drop it from its tier (kept there if that tier is shared)."""
+        """Copy an entry to tier ``target`` and drop it from its tier (kept there if that tier is shared).
+
+        Demoting to the tier that already holds the entry's write-behind copy writes nothing.
+        """
         source = placement.tier
         if target == source:
             return True
-        if entry is None:
+        has_copy = placement.copy_in == target and self.tiers[target].contains(placement.key)
+        if entry is None and not has_copy:
             entry = self.tiers[source].peek(placement.key)
-        if entry is None:
-            self._forget(placement, f"gone from {self.tier_names[source]}")
-            return False
-        self._moving.add(placement.key)
-        try:
-            if not self._make_room(target, entry.size):
-                if report_no_room:
-                    self._event("failed", placement.key, target, f"no room in {self.tier_names[target]}", source)
+            if entry is None:
+                self._forget(placement, f"gone from {self.tier_names[source]}")
                 return False
-            if not self.tiers[target].put_entry(entry):
-                self._event("failed", placement.key, target, f"write to {self.tier_names[target]} failed", source)
-                return False
-        finally:
-            self._moving.discard(placement.key)
-        if not self.tiers[source].shared:
+        if not has_copy:
+            self._moving.add(placement.key)
+            try:
+                if not self._make_room(target, entry.size):
+                    if report_no_room:
+                        self._event("failed", placement.key, target, f"no room in {self.tier_names[target]}", source)
+                    return False
+                if not self.tiers[target].put_entry(entry):
+                    self._event("failed", placement.key, target, f"write to {self.tier_names[target]} failed", source)
+                    return False
+            finally:
+                self._moving.discard(placement.key)
+        kept = self.tiers[source].shared
+        if not kept:
             self.tiers[source].delete(placement.key)
+        placement.copy_in = source if kept and target < source and self.tiers[source].persistent else None
         placement.tier = target
         self._event("promoted" if target < source else "demoted", placement.key, target, reason, source)
         return True
@@ -359,23 +434,85 @@ class TieredStore(Store):
         for placement in list(self._placed.values()):
             if self._placed.get(placement.key) is not placement or self.tiers[placement.tier].persistent:
                 continue
-            for index in persistent:
+            for index in ([placement.copy_in] if placement.copy_in is not None else []) + persistent:
                 if index > placement.tier and self._move(placement, index, "saved on close"):
                     break
 
-    def _remove_everywhere(self, key: str, reason: str) -> bool:
+    def _remove_everywhere(self, key: str, reason: str, evicted: bool = False) -> bool:
+        """Remove ``key`` from its tier, its write-behind copy and every shared tier.
+
+        ``evicted``: it leaves to make room, which the tiers count as evictions.
+        """
         placement = self._placed.pop(key, None)
         self._pinned.discard(key)
         removed = False
         for index, tier in enumerate(self.tiers):
-            if (placement is not None and placement.tier == index) or tier.shared:
-                removed = tier.delete(key) or removed
+            if tier.shared or (placement is not None and index in (placement.tier, placement.copy_in)):
+                removed = tier.delete(key, evicted=reason if evicted else None) or removed
         if placement is not None or removed:
             self._event("evicted", key, None if placement is None else placement.tier, reason)
         return removed or placement is not None
 
+    # --- write-behind -------------------------------------------------------------
+
+    def _persist_target(self, placement: Placement) -> int | None:
+        """The persistent tier below a volatile entry that its write-behind copy goes to, or None."""
+        if self.tiers[placement.tier].persistent:
+            return None
+        for index in range(placement.tier + 1, len(self.tiers)):
+            if self.tiers[index].persistent and self.policy.admits(placement, self.profiles[index]):
+                return index
+        return None
+
+    def _persist(self, key: str) -> bool | None:
+        """Give a volatile entry its copy in a persistent tier, writing outside the lock; None if none is due."""
+        with self._lock:
+            placement = self._placed.get(key)
+            target = None if placement is None or placement.copy_in is not None else self._persist_target(placement)
+            source = None if target is None or self.read_only else self.tiers[placement.tier]
+        record = None if source is None else source.read_record(key)
+        if record is None:
+            return None  # deleted, moved or already copied since it was queued
+        try:
+            entry = unwrap(record, key)
+        except CorruptEntryError:
+            return None  # damaged: not copied, and left for a reader to find, log and drop
+        staged = self.tiers[target].stage_entry(entry)
+        with self._lock:
+            if self._placed.get(key) is not placement or placement.tier >= target or placement.copy_in is not None:
+                staged.abort()  # replaced, moved or copied meanwhile
+                written = None
+            else:
+                self._moving.add(key)
+                try:
+                    room = self._make_room(target, entry.size)
+                finally:
+                    self._moving.discard(key)
+                if not room:
+                    staged.abort()
+                written = room and staged.commit()
+                if written:
+                    placement.copy_in = target
+                else:
+                    reason = f"write-behind to {self.tier_names[target]} failed"
+                    self._event("failed", key, target, reason, placement.tier)
+        self._flush_events()
+        return written
+
+    def _tier_evicted(self, index: int, keys: list[str], reason: str) -> None:
+        """Tier ``index`` evicted ``keys`` by itself: drop them (or their write-behind copies) from the index."""
+        with self._lock:
+            for key in keys:
+                placement = self._placed.get(key)
+                if placement is not None and placement.tier == index:
+                    del self._placed[key]
+                    self._pinned.discard(key)
+                    self._event("evicted", key, index, reason)
+                elif placement is not None and placement.copy_in == index:
+                    placement.copy_in = None  # the entry itself is still above
+
     def _forget(self, placement: Placement, reason: str) -> None:
-        """Drop an index entry whose record is no longer in its tier."""
+        """Drop an index entry whose record is no longer in its tier (another process or the tier removed it)."""
         if self._placed.get(placement.key) is placement:
             del self._placed[placement.key]
             self._pinned.discard(placement.key)
@@ -383,10 +520,15 @@ class TieredStore(Store):
             self._event("evicted", placement.key, placement.tier, reason)
 
     def _locate(self, key: str) -> Placement | None:
-        """The placement of ``key``, asking the shared tiers when the index does not know it."""
+        """The placement of ``key``, asking the shared tiers when the index does not know it.
+
+        A placement in a shared tier is checked there: another process may have removed the entry.
+        """
         placement = self._placed.get(key)
         if placement is not None:
-            return placement
+            if not self.tiers[placement.tier].shared or self.tiers[placement.tier].contains(key):
+                return placement
+            self._forget(placement, f"gone from {self.tier_names[placement.tier]}")
         for index in self._shared_tiers():
             info = self.tiers[index].info(key)
             if info is not None:
@@ -424,7 +566,7 @@ class TieredStore(Store):
                             self._move(current, 0, reason, entry)
                 return entry
             with self._lock:
-                if seen is None:
+                if seen is None or self.read_only:  # read-only: a damaged entry stays, indexed where it is
                     return None
                 if self._placed.get(key) is seen and seen.tier == where[0]:
                     self._forget(seen, f"gone from {self.tier_names[seen.tier]} (expired, evicted, damaged or unreachable)")
@@ -507,3 +649,65 @@ def _unique_names(names: list[str]) -> list[str]:
         seen[name] += 1
         unique.append(name if counts[name] == 1 or seen[name] == 1 else f"{name}{seen[name]}")
     return unique
+
+
+class _WriteBehind:
+    """A bounded queue of keys whose entries need a persistent copy, and the thread that writes them."""
+
+    def __init__(self, store: TieredStore, limit: int) -> None:
+        self.limit = limit
+        self._store = store
+        self._queue: queue.Queue[str | None] = queue.Queue(limit)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._counts = Counter({"written": 0, "failed": 0, "written_by_caller": 0})
+
+    def submit(self, key: str) -> None:
+        """Queue ``key``; when the queue is full, write its copy in the calling thread (back-pressure)."""
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvtool-write-behind", daemon=True)
+                self._thread.start()
+        try:
+            self._queue.put_nowait(key)
+        except queue.Full:
+            self._write(key, "written_by_caller")
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self, drain: bool) -> None:
+        """Stop the thread, after writing what is queued if ``drain``."""
+        if self._thread is None:
+            return
+        if not drain:
+            while True:
+                try:
+                    self._queue.get_nowait()
+                    self._queue.task_done()
+                except queue.Empty:
+                    break
+        self._queue.put(None)
+        self._thread.join()
+
+    def stats(self) -> dict[str, int]:
+        return {"limit": self.limit, "queued": self._queue.qsize(), **self._counts}
+
+    def _run(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                if key is None:
+                    return
+                self._write(key, "written")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, key: str, counter: str) -> None:
+        try:
+            written = self._store._persist(key)
+        except Exception:
+            log.exception("%s: write-behind of %r failed", self._store.name, key)
+            written = False
+        if written is not None:
+            self._counts[counter if written else "failed"] += 1

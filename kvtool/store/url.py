@@ -25,9 +25,32 @@ def scheme_of(url: str) -> str:
     if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         raise UsageError(
             f"not a store URL: {redact(url)!r} (examples: memory://?capacity=2GiB, "
-            "file:///var/cache/kvtool, redis://127.0.0.1:6379/0)"
+            "file:///var/cache/kvtool, redis://127.0.0.1:6379/0, redis+cluster://10.0.0.1:7000,10.0.0.2:7000)"
         )
     return scheme.lower()
+
+
+_NODE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]+(/.*|\?.*)?", re.DOTALL)
+
+
+def split_urls(text: str) -> list[str]:
+    """The URLs of a comma-separated list, fastest tier first.
+
+    A part that is only ``host:port`` (no scheme) continues a URL that so far
+    names only hosts: the node list of ``redis+cluster://host:port,host:port/?...``.
+    """
+    urls: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if urls and _NODE.fullmatch(part) and _names_only_hosts(urls[-1]):
+            urls[-1] += "," + part
+        else:
+            urls.append(part)
+    return urls
+
+
+def _names_only_hosts(url: str) -> bool:
+    rest = url.partition("://")[2]
+    return bool(rest) and "/" not in rest and "?" not in rest
 
 
 def split_query(url: str) -> tuple[str, str]:

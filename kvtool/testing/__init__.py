@@ -18,6 +18,7 @@ from kvtool.testing.codecs import CodecTests
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import LayoutTests
 from kvtool.testing.lossy import LossyLayoutTests
-from kvtool.testing.stores import BoundedStoreTests, StoreTests
+from kvtool.testing.stores import BoundedStoreTests, SharedStoreTests, StoreTests
 
-__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "LossyLayoutTests", "StoreTests", "kv_like_bf16"]
+__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "LossyLayoutTests", "SharedStoreTests",
+           "StoreTests", "kv_like_bf16"]

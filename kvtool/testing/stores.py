@@ -3,11 +3,13 @@
 Subclasses provide a ``store`` fixture (an empty store, closed by the fixture
 after the test); a backend with a byte capacity of its own subclasses
 ``BoundedStoreTests`` and also provides a ``capacity_store`` holding at most
-``CAPACITY`` bytes. The suite checks round trips,
+``CAPACITY`` bytes; a backend that several processes share subclasses
+``SharedStoreTests`` and provides ``shared_url``. The suite checks round trips,
 overwrite, empty and large values, metadata, batch calls, key checks, that a
 damaged stored value is a logged miss and never wrong bytes, capacity and LRU
-eviction, closed-store errors, JSON-safe stats, and a Hypothesis state machine
-comparing the store with a dict.
+eviction, that a refused re-put keeps the old value, closed-store errors,
+JSON-safe stats, a Hypothesis state machine comparing the store with a dict, and
+several processes working on one store at once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvtool.errors import UsageError
-from kvtool.store import Store, StoreClosedError
+from kvtool.store import Store, StoreClosedError, open_store
+from kvtool.testing.shared import KEYS as SHARED_KEYS
+from kvtool.testing.shared import is_valid, run_processes
 
 KEYS = ["a", "b", "model/7:chunk-0", "ключ", "k" * 300]
 
@@ -137,12 +141,17 @@ class StoreTests:
         assert store.get_many(["x", "nope", "y"]) == [b"1", None, b"2"]
         assert store.contains_many(["x", "nope"]) == [True, False]
 
-    @pytest.mark.parametrize("key", ["", "line\nbreak", "nul\x00", "k" * 1025, 7, b"bytes"])
+    @pytest.mark.parametrize("key", ["", "line\nbreak", "nul\x00", "k" * 1025, 7, b"bytes", "lone \ud800 surrogate"])
     def test_invalid_keys_are_refused(self, store: Store, key):
         with pytest.raises(UsageError):
             store.put(key, b"v")
         with pytest.raises(UsageError):
             store.get(key)
+
+    def test_lone_surrogate_key_error_says_why(self, store: Store):
+        with pytest.raises(UsageError, match="lone surrogate '\\\\udc80' at position 3"):
+            store.put("bad\udc80key", b"v")
+        assert store.keys() == []
 
     def test_metadata_must_be_json(self, store: Store):
         with pytest.raises(UsageError):
@@ -179,6 +188,24 @@ class StoreTests:
             assert store.get("b") is None
         assert "another key" in caplog.text
         assert store.get("a") == b"value of a"
+
+    def test_read_only_reads_and_changes_nothing(self, store: Store, caplog):
+        store.put("k", b"value")
+        record = bytearray(store.read_record("k"))
+        record[-1] ^= 0x01
+        store.write_record("damaged", bytes(record))
+        store.read_only = True
+        assert store.get("k") == b"value" and store.keys().count("k") == 1
+        for write in (lambda: store.put("k", b"new"), lambda: store.delete("k"),
+                      lambda: store.write_record("k", b"x")):
+            with pytest.raises(UsageError, match="read-only"):
+                write()
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            assert store.get("damaged") is None
+        assert "left in place" in caplog.text
+        store.read_only = False
+        assert store.read_record("damaged") == bytes(record)
+        assert store.get("k") == b"value"
 
     # --- lifecycle and reporting --------------------------------------------
 
@@ -250,3 +277,43 @@ class BoundedStoreTests(StoreTests):
         assert not capacity_store.put("huge", _payload(self.CAPACITY + 1))
         assert not capacity_store.contains("huge")
         assert capacity_store.get("small") == b"s"
+
+    def test_refused_re_put_keeps_the_old_value(self, capacity_store: Store):
+        assert capacity_store.put("k", b"old", {"tokens": 1})
+        assert not capacity_store.put("k", _payload(self.CAPACITY + 1), {"tokens": 2})
+        assert capacity_store.get("k") == b"old" and capacity_store.info("k").tokens == 1
+
+    def test_evictions_are_counted(self, capacity_store: Store):
+        value = _payload(self.CAPACITY // 4)
+        for i in range(8):
+            assert capacity_store.put(f"k{i}", value)
+        assert capacity_store.stats()["evictions"] == 8 - len(capacity_store.keys()) > 0
+
+
+class SharedStoreTests:
+    """Several processes on one store at once: no failure, no wrong value, capacity kept.
+
+    Subclasses provide a ``shared_url`` fixture: the URL of an empty store that
+    other processes can open, bounded by ``SHARED_CAPACITY`` bytes or unbounded.
+    """
+
+    PROCESSES = 4
+    OPS = 500
+    SHARED_CAPACITY = 512 * 1024
+
+    @pytest.fixture
+    def shared_url(self) -> str:  # pragma: no cover - replaced by subclasses
+        raise NotImplementedError("subclasses of SharedStoreTests provide a `shared_url` fixture")
+
+    def test_processes_share_the_store(self, shared_url: str):
+        reports = run_processes(shared_url, self.PROCESSES, self.OPS)
+        assert [f for r in reports for f in r["failures"]] == []
+        assert sum(r["failure_count"] for r in reports) == 0
+        assert sum(r["wrong"] for r in reports) == 0
+        with open_store(shared_url, read_only=True) as store:
+            assert set(store.keys()) <= set(SHARED_KEYS)
+            for key in store.keys():
+                assert is_valid(key, store.get(key))
+            if store.capacity is not None:
+                assert store.used_bytes <= store.capacity
+                assert max(r["max_used_bytes"] for r in reports) <= store.capacity

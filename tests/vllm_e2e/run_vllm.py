@@ -38,7 +38,7 @@ def main() -> None:
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
     kvlog = logging.getLogger("kvtool")
     kvlog.addHandler(handler)
-    kvlog.setLevel(logging.INFO)
+    kvlog.setLevel(logging.DEBUG)  # per-request restore lines are DEBUG
 
     from vllm import LLM, SamplingParams
 

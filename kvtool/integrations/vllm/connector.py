@@ -11,12 +11,20 @@ Worker side (``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
 ``save_kv_layer``, ``wait_for_save``): moves KV between the store and the paged
 tensors (``transfer``), and reports blocks it could not restore through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+
+The two sides may live in different processes (vLLM's default on its CPU
+build and with several workers): they meet in the store's shared tiers (file,
+Redis). Both report what they do through vLLM's KV-connector stats
+(``stats``, ``metrics``): vLLM's periodic log line and ``/metrics``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +48,11 @@ from kvtool.integrations.vllm.plan import (
     entries_to_save,
     find_stored_prefix,
     load_jobs,
+    tokens_in,
 )
+from kvtool.integrations.vllm.metrics import KvtoolConnectorStats, KvtoolPromMetrics
 from kvtool.integrations.vllm.settings import ConnectorSettings
+from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
 from kvtool.integrations.vllm.transfer import Capture, PagedLayers, Restore, encode_and_store
 from kvtool.recipe import Recipe
 
@@ -57,6 +68,7 @@ log = logging.getLogger("kvtool.vllm")
 
 # Hash functions whose block hashes vLLM seeds per process unless PYTHONHASHSEED is set.
 _REPRODUCIBLE_HASHES = ("sha256", "sha256_cbor")
+STORE_SAMPLE_S = 5.0  # how often the worker reports what the store's tiers hold
 
 
 class KvtoolConnectorMetadata(KVConnectorMetadata):
@@ -69,6 +81,7 @@ class KvtoolConnectorMetadata(KVConnectorMetadata):
 class KvtoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         _check_vllm_version()
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._settings = ConnectorSettings.from_extra_config(extra)
@@ -101,6 +114,16 @@ class KvtoolConnector(KVConnectorBase_V1):
             )
         self._store = self._open_store(parallel.distributed_executor_backend)
         self._released = False
+        self._stats = StatsCollector()
+        self._totals: dict = {"counts": {}, "samples": {}, "gauges": {}}  # for the shutdown line
+        self._totals_logged = False
+        self._store_sampled = 0.0
+        self._log_totals_on_signals()
+        self._api = None
+        if self._settings.api is not None and role == KVConnectorRole.SCHEDULER:
+            from kvtool.server.embedded import start_in_vllm
+
+            self._api = start_in_vllm(self._store, self._settings.api, self._settings, self._namer, vllm_config)
         # scheduler side
         self._requests: dict[str, RequestState] = {}
         self._pending_loads: dict[str, list[LoadJob]] = {}
@@ -114,19 +137,16 @@ class KvtoolConnector(KVConnectorBase_V1):
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtool-save") if role == KVConnectorRole.WORKER else None
 
     def _open_store(self, executor: Any):
+        """The store both sides use; a store with no tier other processes reach needs them in one process."""
         url = self._settings.store
-        single_process = executor == "uni"
-        advice = (
-            "vLLM runs its scheduler and workers in separate processes here; run it with "
-            "distributed_executor_backend='uni' (one worker) or use a store all processes share (redis://)"
-        )
-        try:
-            store = shared_store.acquire(url)
-        except UsageError as exc:
-            raise UsageError(f"{exc}" if single_process else f"{exc}: {advice}") from None
-        if not single_process and not store.shared:
+        store = shared_store.acquire(url, self._settings.write_behind)
+        if executor != "uni" and not store.shared:
             shared_store.release(url)
-            raise UsageError(f"store {store.describe()} is private to one process: {advice}")
+            raise UsageError(
+                f"store {store.describe()} lives in one process, but vLLM runs its scheduler and workers in "
+                "separate processes here: add a tier they share, e.g. "
+                f"'{url},file:///var/cache/kvtool' (or redis://), or run vLLM in one process"
+            )
         lossy = " (lossy: restored prefixes are approximations)" if Recipe.parse(self._namer.recipe).lossy else ""
         log.info("kvtool store %s (%s side), recipe %s%s, %d blocks per entry", store.describe(),
                  self.role.name.lower(), self._namer.recipe, lossy, self._per_entry)
@@ -144,7 +164,8 @@ class KvtoolConnector(KVConnectorBase_V1):
             return 0, False
         try:
             state.stored = find_stored_prefix(
-                hashes, (request.num_tokens - 1) // bs, self._per_entry, self._namer, self._store.contains_many
+                hashes, (request.num_tokens - 1) // bs, self._per_entry, self._namer, self._store.contains_many,
+                tokens_in(self._store),
             )
         except Exception:
             log.exception("request %s: kvtool store lookup failed; computing the prompt", request.request_id)
@@ -153,9 +174,11 @@ class KvtoolConnector(KVConnectorBase_V1):
         restored = state.restored_blocks()
         state.saved_blocks = restored - restored % self._per_entry
         new_tokens = max(0, restored * bs - num_computed_tokens)
-        if new_tokens:
-            log.info("request %s: %d tokens found in the kvtool store (vLLM had %d)",
-                     request.request_id, new_tokens, num_computed_tokens)
+        self._stats.count("lookups")
+        self._stats.count("lookup_hits", 1 if new_tokens else 0)
+        self._stats.count("tokens_found", new_tokens)
+        log.debug("request %s: %d tokens found in the kvtool store (vLLM had %d)",
+                  request.request_id, new_tokens, num_computed_tokens)
         return new_tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -235,7 +258,8 @@ class KvtoolConnector(KVConnectorBase_V1):
         if plan is None or not plan.loads or self._layers is None:
             return
         self._restore = Restore(
-            self._store, lambda entry_id: self._namer.key(entry_id, self._rank), self._layers, plan.loads
+            self._store, lambda entry_id: self._namer.key(entry_id, self._rank), self._layers, plan.loads,
+            self._stats,
         )
         self._restore.start(background=self._overlap)
         if not self._overlap:
@@ -268,33 +292,123 @@ class KvtoolConnector(KVConnectorBase_V1):
 
     def _save_entry(self, entry_id: str, keys: list, values: list) -> None:
         key = self._namer.key(entry_id, self._rank)
+        start = time.perf_counter()
         try:
             stored = encode_and_store(self._store, key, keys, values, self._namer.recipe, self._facts)
         except Exception:
             log.exception("kvtool: saving entry %s failed", entry_id[:16])
-            return
-        log.debug("kvtool: entry %s %s", entry_id[:16], "stored" if stored else "refused by the store")
+            stored = 0
+        self._stats.observe("save_seconds", time.perf_counter() - start)
+        if stored:
+            self._stats.count("entries_saved")
+            self._stats.count("saved_bytes", stored)
+            self._stats.count("saved_raw_bytes", sum(a.nbytes for a in keys) + sum(a.nbytes for a in values))
+        else:
+            self._stats.count("save_failures")
+        log.debug("kvtool: entry %s %s", entry_id[:16], "stored" if stored else "not stored")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    # ==== stats ===========================================================================
+
+    def get_kv_connector_stats(self) -> KvtoolConnectorStats | None:
+        """What this side did since vLLM last asked (both sides are asked after every step)."""
+        now = time.monotonic()
+        if self._saver is not None and self._rank == 0 and now - self._store_sampled >= STORE_SAMPLE_S:
+            self._store_sampled = now  # counting a large store's entries takes a moment: not on the step's path
+            self._saver.submit(self._sample_store)
+        data = self._stats.take()
+        if data is None:
+            return None
+        merge(self._totals, data)
+        return KvtoolConnectorStats(data)
+
+    def _sample_store(self) -> None:
+        try:
+            self._stats.sample_store(self._store)
+        except Exception:
+            log.exception("kvtool: reading the store's stats failed")
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtoolConnectorStats:
+        return KvtoolConnectorStats.from_payload(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtoolPromMetrics:
+        return KvtoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._released:
             return
         self._released = True
+        if self._api is not None:
+            self._api.stop()
         if self._saver is not None:
             self._saver.shutdown(wait=True)
-        stats = self._store.stats()
-        log.info("kvtool store at shutdown (%s side): %d entries, %d hits, %d misses",
-                 self.role.name.lower(), stats.get("entries", 0), stats.get("hits", 0), stats.get("misses", 0))
+        data = self._stats.take()
+        if data is not None:
+            merge(self._totals, data)
+        self._log_totals()
         shared_store.release(self._settings.store)
+
+    def _log_totals(self) -> None:
+        """The process's totals, once: at shutdown, or when the signal that ends the process arrives."""
+        if self._totals_logged:
+            return
+        self._totals_logged = True
+        done = summary(self._totals)
+        if self.role == KVConnectorRole.SCHEDULER:
+            log.info("kvtool at shutdown (scheduler): %d lookups, %d hits (%d tokens found), %d misses",
+                     done["lookups"], done["lookup_hits"], done["tokens_found"], done["lookups"] - done["lookup_hits"])
+        else:
+            log.info("kvtool at shutdown (worker %d): %d tokens restored, %d restore failures, %d entries saved "
+                     "(%.1f MB stored, ratio %s)", self._rank, done["tokens_restored"], done["restore_failures"],
+                     done["entries_saved"], done["saved_MB"], done.get("compression_ratio", "-"))
+
+    def _log_totals_on_signals(self) -> None:
+        """Log the totals when SIGTERM or SIGINT arrives, before vLLM's own handler runs.
+
+        With ``--shutdown-timeout 0`` (vLLM's default) the API server kills the
+        engine process right after its SIGTERM, before ``shutdown()`` runs; the
+        totals up to the last engine step are logged from the handler instead.
+        Only where vLLM installed a handler of its own (the main thread of its
+        engine and worker processes).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(signum)
+            if callable(previous):
+                def handler(sig: int, frame: Any, previous: Any = previous) -> None:
+                    self._log_totals()
+                    previous(sig, frame)
+
+                signal.signal(signum, handler)
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KvtoolConnectorMetadata) else None
+
+
+def _log_like_vllm() -> None:
+    """Show kvtool's log lines where and as vLLM shows its own, unless the user configured the kvtool logger.
+
+    vLLM configures only its ``vllm`` logger; without this, kvtool's INFO lines
+    (startup, shutdown) are hidden unless VLLM_LOGGING_CONFIG_PATH names them.
+    """
+    kvtool_log = logging.getLogger("kvtool")
+    vllm_log = logging.getLogger("vllm")
+    if kvtool_log.handlers or not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        kvtool_log.addHandler(handler)
+    kvtool_log.setLevel(vllm_log.level)
+    kvtool_log.propagate = False
 
 
 def _check_vllm_version() -> None:

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from kvtool.store import Store
 
 _PERSON = b"kvtool/vllm/1"
 
@@ -94,12 +97,16 @@ def find_stored_prefix(
     blocks_per_entry: int,
     namer: EntryNamer,
     is_stored: Callable[[list[str]], list[bool]],
+    tokens_held: Callable[[list[str]], list[int | None]] | None = None,
 ) -> list[EntrySpan]:
     """The longest run of stored entries from the first block, within ``usable_blocks``.
 
     Entries start at multiples of ``blocks_per_entry``. Where the full-size
     entry is missing, a shorter one (a stored prompt's last entry) is tried,
     longest first; it ends the run. ``is_stored`` answers for a list of keys.
+    ``tokens_held`` (``tokens_in(store)``), if given, says how many tokens the
+    entry found holds: one that holds another count than its blocks is never
+    claimed, and ends the run.
     """
     usable = min(usable_blocks, len(block_hashes))
     spans: list[EntrySpan] = []
@@ -115,11 +122,28 @@ def find_stored_prefix(
         )
         if found is None:
             break
+        expected = found.num_blocks * namer.block_size
+        if tokens_held is not None and any(t != expected for t in tokens_held(namer.keys(found.entry_id))):
+            break
         spans.append(found)
         if found.num_blocks < blocks_per_entry:
             break
         start = found.end
     return spans
+
+
+def tokens_in(store: "Store") -> Callable[[list[str]], list[int | None]]:
+    """``tokens_held`` for ``find_stored_prefix``: the token count in each entry's metadata (None if absent).
+
+    Only the store's index or headers are read, never a value: the scheduler
+    cheaply refuses an entry of the wrong size; a damaged value is found when
+    the worker reads it.
+    """
+    def held(keys: list[str]) -> list[int | None]:
+        infos = [store.info(key) for key in keys]
+        return [None if info is None else info.tokens for info in infos]
+
+    return held
 
 
 def load_jobs(

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvtool.errors import UsageError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
+from kvtool.store.file import default_path
+from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
 
-DEFAULT_STORE = "memory://?capacity=4GiB"
+
+def default_store() -> str:
+    """4 GiB of memory over 20 GiB of disk in the user's cache: shared by vLLM's processes, kept across restarts."""
+    return f"memory://?capacity=4GiB,file://{default_path()}?capacity=20GiB"
 
 
 @dataclass(frozen=True)
@@ -22,13 +27,19 @@ class ConnectorSettings:
     different paths); ``overlap``: restore layer by layer while the model runs,
     or everything before the forward pass (default: overlap when the KV cache
     lives on an accelerator; on vLLM's CPU backend the decoding thread competes
-    with the model's own threads and measured slower)."""
+    with the model's own threads and measured slower); ``write_behind``: how
+    many entries saved into a memory tier may wait for their copy in the
+    persistent tier below (0: none are copied before they leave memory or the
+    server shuts down); ``api``: serve kvtool's HTTP API from this server over
+    the live store (``kvtool.server.embedded``)."""
 
-    store: str = DEFAULT_STORE
+    store: str = field(default_factory=default_store)
     recipe: str = DEFAULT_RECIPE
     chunk_tokens: int = 256
     model_id: str | None = None
     overlap: bool | None = None
+    write_behind: int = DEFAULT_WRITE_BEHIND
+    api: dict | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -42,6 +53,8 @@ class ConnectorSettings:
             raise UsageError(f"chunk_tokens must be a positive integer, not {settings.chunk_tokens!r}")
         if settings.overlap is not None and not isinstance(settings.overlap, bool):
             raise UsageError(f"overlap must be true or false, not {settings.overlap!r}")
+        if not isinstance(settings.write_behind, int) or settings.write_behind < 0:
+            raise UsageError(f"write_behind must be a number of entries (0 or more), not {settings.write_behind!r}")
         Recipe.parse(settings.recipe)  # fail at startup, not on the first save
         return settings
 

@@ -31,7 +31,8 @@ import torch
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.container import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
-from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, scatter_blocks
+from kvtool.integrations.vllm.stats import StatsCollector
+from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.store import Store, TieredStore
 
@@ -71,8 +72,28 @@ class _Pending:
     tier: str = ""
 
 
+@dataclass
+class RestoreTimes:
+    """Seconds one step's restore spent in each phase.
+
+    ``total`` is wall time from the start to the last layer copied: with
+    overlap it includes the forward pass of the layers before, without it
+    (the restore runs before the forward pass) it does not.
+    """
+
+    fetch: float = 0.0  # reading entries from the store, checksums verified
+    decode: float = 0.0  # decompressing them (on a CPU cache straight into the paged blocks: copy included)
+    copy: float = 0.0  # writing decoded arrays into vLLM's paged blocks
+    blocked: float = 0.0  # the forward pass waiting for a layer (overlap)
+    total: float = 0.0
+
+
 class Restore:
-    """One engine step's restores: start with ``start()``, then ``copy_layer(i)`` for each layer."""
+    """One engine step's restores: start with ``start()``, then ``copy_layer(i)`` for each layer.
+
+    ``stats`` (optional) receives the step's counts and timings; every failure
+    is counted there by cause (``metrics.FAILURE_CAUSES``).
+    """
 
     def __init__(
         self,
@@ -80,10 +101,12 @@ class Restore:
         key_of: Callable[[str], str],
         layers: PagedLayers,
         jobs: dict[str, list[LoadJob]],
+        stats: StatsCollector | None = None,
     ) -> None:
         self._store = store
         self._key_of = key_of
         self._layers = layers
+        self._stats = stats
         self._pending = [_Pending(rid, job) for rid, js in jobs.items() for job in js]
         n = len(layers.names)
         self._decoded: list[list[tuple[list[int], torch.Tensor, torch.Tensor]] | None] = [None] * n
@@ -92,13 +115,15 @@ class Restore:
         self._failed_requests: dict[str, int] = {}  # request -> index of its first failed job
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.started = 0.0
-        self.blocked_s = 0.0
-        self.decode_s = 0.0
+        self.times = RestoreTimes()
+        self._started = 0.0
 
     # -- driving ------------------------------------------------------------------------
     def start(self, background: bool) -> None:
-        self.started = time.perf_counter()
+        """Decode on a thread, layer by layer, while the forward pass runs (``background``); or now,
+        where a CPU cache lets each entry be decoded straight into its paged blocks."""
+        self._started = time.perf_counter()
+        self._direct = not background and all(k.device.type == "cpu" for k in self._layers.keys)
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
             self._thread.start()
@@ -111,12 +136,17 @@ class Restore:
             return
         waited = time.perf_counter()
         self._ready[index].wait()
-        self.blocked_s += time.perf_counter() - waited
+        copying = time.perf_counter()
+        self.times.blocked += copying - waited
         for block_ids, k, v in self._decoded[index] or ():
             scatter_blocks(self._layers.keys[index], block_ids, k)
             scatter_blocks(self._layers.values[index], block_ids, v)
+        done = time.perf_counter()
+        self.times.copy += done - copying
         self._decoded[index] = None
         self._copied[index] = True
+        if all(self._copied):
+            self.times.total = done - self._started
 
     def finish(self) -> set[int]:
         """Copy any layer the forward pass did not ask for; the block ids that failed to restore."""
@@ -124,7 +154,7 @@ class Restore:
             self.copy_layer(index)
         if self._thread is not None:
             self._thread.join()
-        self._log()
+        self._report()
         return self.failed_block_ids()
 
     def failed_requests(self) -> set[str]:
@@ -135,31 +165,34 @@ class Restore:
         with self._lock:
             failed = dict(self._failed_requests)
         blocks: set[int] = set()
-        by_request: dict[str, list[LoadJob]] = {}
-        for p in self._pending:
-            by_request.setdefault(p.request_id, []).append(p.job)
         for rid, first in failed.items():
-            for job in by_request[rid][first:]:
-                blocks.update(job.block_ids)
+            for p in self._jobs_of(rid)[first:]:
+                blocks.update(p.job.block_ids)
         return blocks
 
     # -- background work -----------------------------------------------------------------
     def _run(self) -> None:
-        begin = time.perf_counter()
         try:
+            begin = time.perf_counter()
             for p in self._pending:
                 self._open(p)
-            for index in range(len(self._ready)):
-                self._decoded[index] = self._decode_layer(index)
-                self._ready[index].set()
+            decoding = time.perf_counter()
+            self.times.fetch = decoding - begin
+            if self._direct:
+                for p in self._pending:
+                    self._decode_into_pages(p)
+            else:
+                for index in range(len(self._ready)):
+                    self._decoded[index] = self._decode_layer(index)
+                    self._ready[index].set()
+            self.times.decode = time.perf_counter() - decoding
         except BaseException:
             log.exception("kvtool restore failed; the affected blocks will be recomputed")
             for p in self._pending:
-                self._fail(p, "restore thread failed")
+                self._fail(p, "restore thread failed", "internal")
         finally:
             for event in self._ready:
                 event.set()
-            self.decode_s = time.perf_counter() - begin
 
     def _open(self, p: _Pending) -> None:
         if self._is_failed(p):
@@ -167,13 +200,15 @@ class Restore:
         key = self._key_of(p.job.entry_id)
         try:
             p.tier = (self._store.tier_of(key) or "") if isinstance(self._store, TieredStore) else self._store.name
+            damaged_before = _damaged_count(self._store)
             entry = self._store.get_entry(key)
             if entry is None:
-                self._fail(p, "entry missing or damaged")
+                damaged = _damaged_count(self._store) > damaged_before  # this thread is the worker's only reader
+                self._fail(p, "entry damaged" if damaged else "entry missing", "damaged" if damaged else "missing")
                 return
             reader = KvzReader.from_bytes(entry.value)
         except KvtoolError as exc:
-            self._fail(p, str(exc))
+            self._fail(p, str(exc), "store_error")
             return
         expected = (self._layers.heads, p.job.num_blocks * self._layers.block_size, self._layers.head_dim)
         fits = reader.layer_ids == list(range(len(self._layers.names))) and all(
@@ -181,9 +216,28 @@ class Restore:
         )
         if not fits:
             reader.close()
-            self._fail(p, "entry does not fit this model's KV cache")
+            self._fail(p, "entry does not fit this model's KV cache", "mismatch")
             return
         p.reader = reader
+
+    def _decode_into_pages(self, p: _Pending) -> None:
+        """Every layer of one entry from its stored chunks into the paged blocks, in one native pass per chunk."""
+        if p.reader is None or self._is_failed(p):
+            return
+        layers, bs = self._layers, self._layers.block_size
+        tokens = p.job.num_blocks * bs
+        skip = p.job.first_block * bs
+        ids = [0] * p.job.first_block + list(p.job.block_ids)  # the skipped blocks' rows are left out
+        try:
+            rows = np.stack([
+                row_offsets(view, ids, tokens, skip)
+                for k, v in zip(layers.keys, layers.values) for view in (k, v)
+            ])
+            p.reader.read_rows([storage_bytes(k) for k in layers.keys], rows, [i // 2 for i in range(2 * len(layers.keys))])
+        except KvtoolError as exc:
+            self._fail(p, str(exc), "decode_error")
+        finally:
+            p.reader.close()
 
     def _decode_layer(self, index: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         out = []
@@ -193,45 +247,76 @@ class Restore:
                 continue
             try:
                 first = p.job.first_block * bs
-                cache = p.reader.read(layers=[index], tokens=slice(first, first + len(p.job.block_ids) * bs), threads=1)
-                k = from_numpy(cache.keys[0], self._layers.dtype)
-                v = from_numpy(cache.values[0], self._layers.dtype)
+                k, v = decode_layer(p.reader, index, first, len(p.job.block_ids) * bs, self._layers.dtype)
             except KvtoolError as exc:
-                self._fail(p, f"layer {index}: {exc}")
+                self._fail(p, f"layer {index}: {exc}", "decode_error")
                 continue
             out.append((p.job.block_ids, k, v))
             if index == len(self._ready) - 1:
                 p.reader.close()
         return out
 
-    def _fail(self, p: _Pending, reason: str) -> None:
-        position = [q for q in self._pending if q.request_id == p.request_id].index(p)
+    def _fail(self, p: _Pending, reason: str, cause: str) -> None:
+        position = self._jobs_of(p.request_id).index(p)
         with self._lock:
             known = self._failed_requests.get(p.request_id)
             if known is None or position < known:
                 self._failed_requests[p.request_id] = position
+        if self._stats is not None:
+            self._stats.count("restore_failures", 1, cause)
         log.warning("request %s: cannot restore entry %s (%s); vLLM will recompute it", p.request_id, p.job.entry_id[:16], reason)
 
     def _is_failed(self, p: _Pending) -> bool:
         with self._lock:
             first = self._failed_requests.get(p.request_id)
-        return first is not None and [q for q in self._pending if q.request_id == p.request_id].index(p) >= first
+        return first is not None and self._jobs_of(p.request_id).index(p) >= first
 
-    def _log(self) -> None:
-        elapsed = time.perf_counter() - self.started
-        by_request: dict[str, list[_Pending]] = {}
-        for p in self._pending:
-            by_request.setdefault(p.request_id, []).append(p)
-        failed = self._failed_requests
-        for rid, items in by_request.items():
-            ok = items[: failed.get(rid, len(items))]
+    def _jobs_of(self, request_id: str) -> list[_Pending]:
+        return [q for q in self._pending if q.request_id == request_id]
+
+    def _report(self) -> None:
+        """Count the step in ``stats`` and log each request's restore at DEBUG."""
+        t = self.times
+        restored_tokens = restored_entries = failed_tokens = 0
+        for rid in dict.fromkeys(p.request_id for p in self._pending):
+            items = self._jobs_of(rid)
+            ok = items[: self._failed_requests.get(rid, len(items))]
             tokens = sum(len(p.job.block_ids) for p in ok) * self._layers.block_size
+            restored_tokens += tokens
+            restored_entries += len(ok)
+            failed_tokens += sum(len(p.job.block_ids) for p in items[len(ok):]) * self._layers.block_size
             tiers = ",".join(sorted({p.tier for p in ok if p.tier})) or "-"
-            log.info(
-                "request %s: restored %d tokens from %s in %.1f ms (decode %.1f ms, forward waited %.1f ms)%s",
-                rid, tokens, tiers, elapsed * 1e3, self.decode_s * 1e3, self.blocked_s * 1e3,
+            log.debug(
+                "request %s: restored %d tokens from %s in %.1f ms (fetch %.1f ms, decode %.1f ms, copy %.1f ms; "
+                "forward waited %.1f ms)%s",
+                rid, tokens, tiers, t.total * 1e3, t.fetch * 1e3, t.decode * 1e3, t.copy * 1e3, t.blocked * 1e3,
                 f"; {len(items) - len(ok)} entries failed, recomputing" if len(ok) < len(items) else "",
             )
+        if self._stats is not None:
+            self._stats.count("tokens_restored", restored_tokens)
+            self._stats.count("entries_restored", restored_entries)
+            self._stats.count("tokens_failed", failed_tokens)
+            for name, seconds in (("restore_seconds", t.total), ("restore_fetch_seconds", t.fetch),
+                                  ("restore_decode_seconds", t.decode), ("restore_copy_seconds", t.copy)):
+                self._stats.observe(name, seconds)
+
+
+def decode_layer(
+    reader: KvzReader, layer: int, first_token: int, tokens: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[kv_heads, tokens, head_dim]`` of one layer of an entry, as tensors of ``dtype``.
+
+    The restore path's one decoding call: a decoder that writes straight into
+    the paged blocks replaces this function.
+    """
+    cache = reader.read(layers=[layer], tokens=slice(first_token, first_token + tokens), threads=1)
+    return from_numpy(cache.keys[0], dtype), from_numpy(cache.values[0], dtype)
+
+
+def _damaged_count(store: Store) -> int:
+    """Damaged records the store (and its tiers) found so far."""
+    tiers = store.tiers if isinstance(store, TieredStore) else [store]
+    return sum(tier.metrics.snapshot()["corrupt"] for tier in tiers)
 
 
 @dataclass
@@ -263,9 +348,9 @@ class Capture:
 
 def encode_and_store(
     store: Store, key: str, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], recipe: str, facts: ModelFacts
-) -> bool:
-    """Compress one entry (all layers) as a .kvz with ``recipe`` and store it; False if the store refused it."""
+) -> int:
+    """Compress one entry (all layers) as a .kvz with ``recipe`` and store it; its size, 0 if the store refused it."""
     cache = KVCache(list(keys), list(values), facts, {"source": "vllm"})
     tokens = cache.num_tokens
     blob = encode_cache(cache, recipe, chunk_tokens=max(1, tokens), threads=1)
-    return store.put(key, blob, {"tokens": tokens, "raw_bytes": cache.nbytes})
+    return len(blob) if store.put(key, blob, {"tokens": tokens, "raw_bytes": cache.nbytes}) else 0
