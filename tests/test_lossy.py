@@ -178,6 +178,35 @@ def test_lossy_recipes_through_the_container(small, recipe):
         assert errors[(layer, kind)]["rms"] == pytest.approx(np.sqrt(np.mean(error ** 2)), rel=1e-5)
 
 
+@pytest.mark.parametrize("stage, lossless", [("mant-round:4", "byteplane|zstd:3"), ("fp8:e4m3", "zstd:3")])
+def test_the_array_codec_after_a_lossy_stage_stores_the_same_approximation(small, stage, lossless):
+    """exphuff codes the float plane that mant-round and fp8 leave, bit for bit as a bytes codec does."""
+    with_array_codec = decode_cache(encode_cache(small, f"{stage}|exphuff", chunk_tokens=128))
+    with_bytes_codec = decode_cache(encode_cache(small, f"{stage}|{lossless}", chunk_tokens=128))
+    assert with_array_codec.equal_bits(with_bytes_codec) and not with_array_codec.equal_bits(small)
+
+
+def test_integer_codes_are_no_block_for_the_array_codec(small):
+    with pytest.raises(UsageError, match=r"takes one \[heads, tokens, dim\] block; its layouts leave \['codes', 'scales'\]"):
+        encode_cache(small, "int:4|exphuff")
+
+
+@pytest.mark.parametrize("recipe", ["int:4|zstd:3", "fp8:e4m3|exphuff"])
+def test_rows_of_a_lossy_entry_are_the_approximation_it_reads_back(small, recipe):
+    """read_rows, the connector's restore into paged blocks, gives what read gives."""
+    heads, tokens, dim = small.keys[0].shape
+    targets = [np.zeros((2, heads, tokens, dim), small.dtype.numpy) for _ in small.layer_ids]
+    rows = np.stack([(np.arange(heads * tokens, dtype=np.int64) * dim * 2).reshape(heads, tokens) + kv * heads * tokens * dim * 2
+                     for _ in small.layer_ids for kv in (0, 1)])
+    with KvzReader.from_bytes(encode_cache(small, recipe, chunk_tokens=128)) as reader:
+        reader.read_rows(targets, rows, [i // 2 for i in range(rows.shape[0])])
+        restored = reader.read()
+    for target, key, value in zip(targets, restored.keys, restored.values):
+        assert np.array_equal(target[0].view(np.uint16), key.view(np.uint16))
+        assert np.array_equal(target[1].view(np.uint16), value.view(np.uint16))
+    assert not restored.equal_bits(small)
+
+
 def test_the_container_tells_a_tensor_its_kind(small):
     blob = encode_cache(small, "int:4|zstd:3", chunk_tokens=300)
     restored = decode_cache(blob)
