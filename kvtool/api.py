@@ -28,14 +28,17 @@ def load(
     pattern: str | None = None,
     model: ModelFacts | None = None,
     threads: int | None = None,
+    max_size: int = container.DEFAULT_MAX_SIZE,
 ) -> KVCache:
     """A cache from a .kvz or a safetensors file, reading only the layers and tokens asked for.
 
     ``pattern`` and ``model`` describe safetensors files written by other tools
-    (see ``KVCache.load``); ``threads`` decode a .kvz (all cores by default).
+    (see ``KVCache.load``); ``threads`` decode a .kvz (all cores by default). ``max_size``
+    caps the bytes decoded from a .kvz; a file claiming more is refused before anything is
+    decoded.
     """
     if container.is_kvz(path):
-        with container.open_kvz(path) as reader:
+        with container.open_kvz(path, max_size=max_size) as reader:
             return reader.read(layers=layers, tokens=tokens, threads=threads)
     return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
 

@@ -27,7 +27,7 @@ import xxhash
 from safetensors import safe_open
 
 from kvtool.errors import DecodeError, UsageError
-from kvtool.fileio import atomic_write
+from kvtool.fileio import atomic_write, check_regular
 
 AXES = ("kv_heads", "tokens", "head_dim")
 FORMAT_TAG = "kvcache/1"
@@ -94,8 +94,22 @@ class ModelFacts:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelFacts":
+        """The facts in ``data`` (other keys are ignored); ``ValueError`` for a value of the wrong type."""
+        if not isinstance(data, dict):
+            raise ValueError(f"model facts must be a JSON object, not {type(data).__name__}")
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        for name, value in known.items():
+            if not _fits_field(name, value):
+                raise ValueError(f"model fact {name!r} has a value of the wrong type: {str(value)[:80]!r}")
         return cls(**known)
+
+
+def _fits_field(name: str, value: Any) -> bool:
+    if name in ("model_id", "architecture"):
+        return isinstance(value, str)
+    if name == "keys_post_rope":
+        return value is None or isinstance(value, bool)
+    return type(value) is int and 0 <= value < 1 << 31
 
 
 def token_ids_hash(token_ids: Sequence[int]) -> str:
@@ -228,6 +242,7 @@ class KVCache:
         and may take their model facts from ``model``.
         """
         path = Path(path)
+        check_regular(path)
         try:
             handle = safe_open(str(path), framework="numpy")
         except FileNotFoundError:
@@ -251,9 +266,7 @@ class KVCache:
                 keys.append(_read_tensor(f, k_name, tokens, path))
                 values.append(_read_tensor(f, v_name, tokens, path))
         if own:
-            facts = ModelFacts.from_dict(json.loads(meta.get("kvtool.model", "{}")))
-            provenance = json.loads(meta.get("kvtool.provenance", "{}"))
-            token_start = int(meta.get("kvtool.token_start", "0"))
+            facts, provenance, token_start = parse_metadata(meta, path)
         else:
             facts = model or ModelFacts()
             provenance = {"source": "import", "file": path.name, "pattern": pattern}
@@ -267,6 +280,24 @@ class KVCache:
             )
         start = (tokens or slice(None)).indices(1 << 62)[0] if tokens is not None else 0
         return cls(keys, values, facts, provenance, layer_ids=wanted, token_start=token_start + start)
+
+
+def parse_metadata(meta: dict[str, str], path: Path) -> tuple[ModelFacts, dict[str, Any], int]:
+    """Model facts, provenance and first token position from kvtool's safetensors metadata.
+
+    ``DecodeError`` names what is malformed: metadata is file content, not trusted.
+    """
+    try:
+        facts = ModelFacts.from_dict(json.loads(meta.get("kvtool.model", "{}")))
+        provenance = json.loads(meta.get("kvtool.provenance", "{}"))
+        text = meta.get("kvtool.token_start", "0")
+        if not (text.isascii() and text.isdigit()) or len(text) > 18:
+            raise ValueError(f"kvtool.token_start is not a token position: {text[:40]!r}")
+    except (ValueError, RecursionError) as exc:
+        raise DecodeError(f"{path}: bad kvtool metadata ({str(exc)[:200]})") from None
+    if not isinstance(provenance, dict):
+        raise DecodeError(f"{path}: bad kvtool metadata (kvtool.provenance is not a JSON object)")
+    return facts, provenance, int(text)
 
 
 def _canonical_header(data: bytes) -> bytes:

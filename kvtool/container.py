@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 import threading
@@ -31,8 +32,8 @@ import xxhash
 from kvtool._native import JOB_DTYPE, JOB_STORED_RAW, xxh3_64
 from kvtool._native.batch import BatchCodec
 from kvtool.cache import AXES, KVCache, ModelFacts, dtype_of
-from kvtool.errors import DecodeError, KvtoolError, UsageError
-from kvtool.fileio import atomic_write
+from kvtool.errors import DecodeError, KvtoolError, OutputTooLargeError, UsageError
+from kvtool.fileio import atomic_write, open_regular
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import measured_error
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
@@ -46,6 +47,14 @@ MAX_HEADER = 16 << 20
 MAX_CHUNK_TOKENS = 1 << 20
 DEFAULT_CHUNK_TOKENS = 256
 FLAG_STORED_RAW = 1
+#: Bounds a reader checks before it computes with a header's numbers.
+MAX_TOKENS = (1 << 32) - 1  # an index record holds token positions as u32
+MAX_TOKEN_START = (1 << 63) - 1
+MAX_LAYER_ID = (1 << 31) - 1
+MAX_ROW_BYTES = 1 << 30  # heads x head_dim x itemsize of one token of one tensor
+MAX_JSON_DEPTH = 32
+#: What a reader decodes at most unless told otherwise (``max_size``; CLI ``--max-size``).
+DEFAULT_MAX_SIZE = 16 << 30
 
 INDEX_DTYPE = np.dtype(
     [
@@ -203,6 +212,8 @@ def _plane_bytes(plane: np.ndarray) -> memoryview:
 
 def _map_bounded(fn, items: Iterable, threads: int | None) -> Iterator[tuple[Any, Any]]:
     """``(item, fn(item))`` in order, computed on a pool with a bounded number in flight."""
+    if threads is not None and (type(threads) is not int or threads < 0):
+        raise UsageError(f"threads must be a whole number, 0 or None for one per core, not {threads!r}")
     workers = threads or os.cpu_count() or 1
     if workers == 1:
         for item in items:
@@ -235,7 +246,12 @@ def _header_bytes(cache: KVCache, recipe: Recipe, chunk_tokens: int, metadata: d
     }
     if recipe.lossy:  # the marker, and what the approximation costs each tensor
         header["lossy"] = {"error": measured_error(cache.tensors(), recipe.layouts, chunk_tokens)}
-    data = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    if _depth(header) > MAX_JSON_DEPTH:
+        raise UsageError(f"provenance is nested deeper than a .kvz header allows ({MAX_JSON_DEPTH} levels)")
+    try:
+        data = json.dumps(header, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    except ValueError as exc:
+        raise UsageError(f"provenance holds a value JSON cannot carry: {exc}") from None
     if len(data) > MAX_HEADER:
         raise UsageError(f"the header would be {len(data)} bytes, over the {MAX_HEADER}-byte limit")
     return data
@@ -273,7 +289,7 @@ class _FileSource:
     """Positioned reads from a file, counting what was read."""
 
     def __init__(self, path: Path):
-        self._f = open(path, "rb")
+        self._f = open_regular(path)
         self.size = os.fstat(self._f.fileno()).st_size
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -327,20 +343,29 @@ class KvzReader:
     Use ``open_kvz(path)`` or ``KvzReader.from_bytes(blob)``; then ``read()``
     for a cache (optionally some layers and a token range), ``verify()`` to
     check every checksum.
+
+    Every number in the header and index is checked against the file's size
+    and fixed bounds before anything is computed from it, so a crafted file
+    costs work in proportion to its own size. ``max_size`` caps what the reader
+    decodes: a chunk whose declared size exceeds it is refused on open, and a
+    ``read()`` whose result would exceed it is refused before decoding.
     """
 
-    def __init__(self, source, name: str = "<bytes>"):
+    def __init__(self, source, name: str = "<bytes>", max_size: int = DEFAULT_MAX_SIZE):
         self._source = source
         self.name = name
         try:
+            if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 0:
+                raise UsageError(f"max_size must be a number of bytes, not {max_size!r}")
+            self.max_size = max_size
             self._load()
         except BaseException:
             source.close()
             raise
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "KvzReader":
-        return cls(_BytesSource(data))
+    def from_bytes(cls, data: bytes | bytearray | memoryview, max_size: int = DEFAULT_MAX_SIZE) -> "KvzReader":
+        return cls(_BytesSource(data), max_size=max_size)
 
     def __enter__(self) -> "KvzReader":
         return self
@@ -374,6 +399,7 @@ class KvzReader:
         *fields, trailer_hash, end = TRAILER.unpack(src.read(src.size - TRAILER.size, TRAILER.size))
         if end != END_MAGIC or trailer_hash != _trailer_hash(fields):
             self._fail(KvzCorruptError, "the trailer is damaged or missing (truncated or corrupt file)")
+        # struct gives Python ints: none of the sums below can wrap around.
         index_offset, index_len, n_chunks, trailer_header_len, header_hash, index_hash = fields
         if trailer_header_len != header_len or header_len > MAX_HEADER:
             self._fail(KvzCorruptError, f"header length {header_len} disagrees with the trailer or exceeds {MAX_HEADER}")
@@ -388,36 +414,47 @@ class KvzReader:
         index_bytes = bytes(src.read(index_offset, index_len))
         if xxhash.xxh3_64_intdigest(index_bytes) != index_hash:
             self._fail(KvzCorruptError, "index checksum mismatch")
-        try:
-            header = json.loads(header_bytes)
-        except ValueError:
-            self._fail(KvzFormatError, "header is not valid JSON")
-        self._parse_header(header)
+        self._parse_header(self._header_json(header_bytes))
         self.index = np.frombuffer(index_bytes, dtype=INDEX_DTYPE)
         self._check_index(data_start, index_offset)
 
-    def _parse_header(self, header: Any) -> None:
+    def _header_json(self, data: bytes) -> dict[str, Any]:
+        """The header as a JSON object of bounded depth holding only finite numbers."""
         try:
-            if header.get("format") != "kvz" or header.get("version") != VERSION:
-                self._fail(KvzFormatError, "header does not describe a version-1 .kvz")
-            if header.get("axes") != list(AXES):
-                self._fail(KvzFormatError, f"unsupported axes {header.get('axes')}")
-            self.dtype = dtype_of(header["dtype"])
-            self.chunk_tokens = int(header["chunk_tokens"])
-            if not 1 <= self.chunk_tokens <= MAX_CHUNK_TOKENS:
-                self._fail(KvzFormatError, f"chunk tokens {self.chunk_tokens} out of range")
-            self.tensors = [(int(t["layer"]), str(t["kind"]), tuple(int(s) for s in t["shape"])) for t in header["tensors"]]
-            self.model = ModelFacts.from_dict(header["model"])
-            self.provenance = dict(header["provenance"])
-            self.metadata = {str(k): str(v) for k, v in header.get("metadata", {}).items()}
-            self.token_start = int(header["token_start"])
-            self.recipe = Recipe.from_config(header["recipe"])
+            header = json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+        except RecursionError:
+            self._fail(KvzFormatError, f"header nests deeper than {MAX_JSON_DEPTH} levels")
+        except ValueError as exc:
+            self._fail(KvzFormatError, f"header is not valid JSON ({str(exc)[:200]})")
+        if not isinstance(header, dict):
+            self._fail(KvzFormatError, "header is not a JSON object")
+        if _depth(header) > MAX_JSON_DEPTH:
+            self._fail(KvzFormatError, f"header nests deeper than {MAX_JSON_DEPTH} levels")
+        return header
+
+    def _parse_header(self, header: dict[str, Any]) -> None:
+        if header.get("format") != "kvz" or header.get("version") != VERSION:
+            self._fail(KvzFormatError, "header does not describe a version-1 .kvz")
+        if header.get("axes") != list(AXES):
+            self._fail(KvzFormatError, f"unsupported axes {_brief(header.get('axes'))}")
+        self.chunk_tokens = self._int(header.get("chunk_tokens"), "chunk_tokens", 1, MAX_CHUNK_TOKENS)
+        self.token_start = self._int(header.get("token_start"), "token_start", 0, MAX_TOKEN_START)
+        self.tensors = [self._tensor(t) for t in self._typed(header.get("tensors"), list, "tensors")]
+        self.provenance = dict(self._typed(header.get("provenance"), dict, "provenance"))
+        metadata = self._typed(header.get("metadata", {}), dict, "metadata")
+        if not all(isinstance(v, str) for v in metadata.values()):
+            self._fail(KvzFormatError, "user metadata must map strings to strings")
+        self.metadata = dict(metadata)
+        try:
+            self.dtype = dtype_of(self._typed(header.get("dtype"), str, "dtype"))
+            self.model = ModelFacts.from_dict(self._typed(header.get("model"), dict, "model"))
+            self.recipe = Recipe.from_config(header.get("recipe"))
+        except DecodeError:
+            raise
         except KvtoolError as exc:
-            if isinstance(exc, DecodeError):
-                raise
             self._fail(KvzFormatError, f"header names something this kvtool cannot rebuild: {exc}")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._fail(KvzFormatError, f"malformed header ({type(exc).__name__}: {exc})")
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            self._fail(KvzFormatError, f"malformed header ({type(exc).__name__}: {str(exc)[:200]})")
         self._validate_manifest()
         self.lossy = self._lossy_marker(header.get("lossy"))
 
@@ -432,17 +469,36 @@ class KvzReader:
                 self._fail(KvzFormatError, "the 'lossy' marker's error rows need a layer, max_abs, rms and rel_rms")
         return marker
 
+    def _int(self, value: Any, what: str, lo: int, hi: int) -> int:
+        if type(value) is not int or not lo <= value <= hi:
+            self._fail(KvzFormatError, f"{what} must be an integer in {lo}..{hi}, not {_brief(value)}")
+        return value
+
+    def _typed(self, value: Any, kind: type, what: str) -> Any:
+        if not isinstance(value, kind):
+            self._fail(KvzFormatError, f"{what} must be a JSON {'object' if kind is dict else kind.__name__}, not {_brief(value)}")
+        return value
+
+    def _tensor(self, entry: Any) -> tuple[int, str, tuple[int, int, int]]:
+        entry = self._typed(entry, dict, "a tensor entry")
+        shape = self._typed(entry.get("shape"), list, "a tensor shape")
+        if len(shape) != 3 or entry.get("kind") not in ("k", "v"):
+            self._fail(KvzFormatError, f"a tensor entry needs kind 'k' or 'v' and a [heads, tokens, dim] shape, not {_brief(entry)}")
+        heads, tokens, dim = (self._int(n, "a tensor dimension", 0, bound) for n, bound in zip(shape, (MAX_ROW_BYTES, MAX_TOKENS, MAX_ROW_BYTES)))
+        return self._int(entry.get("layer"), "a layer id", 0, MAX_LAYER_ID), entry["kind"], (heads, tokens, dim)
+
     def _validate_manifest(self) -> None:
         if not self.tensors:
             self.num_tokens = 0
             self.layer_ids: list[int] = []
+            self._heads = self._dim = 0
             self._planes_by_len: dict[int, list[PlaneSpec]] = {}
             return
         shapes = {shape for _, _, shape in self.tensors}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 3 or min(next(iter(shapes))) < 0:
-            self._fail(KvzFormatError, f"tensor shapes must be one shared [heads, tokens, dim], found {sorted(shapes)}")
+        if len(shapes) != 1:
+            self._fail(KvzFormatError, f"tensor shapes must be one shared [heads, tokens, dim], found {len(shapes)} different ones")
         heads, self.num_tokens, dim = next(iter(shapes))
-        if heads * dim * self.dtype.itemsize > MAX_HEADER * 64:
+        if heads * dim * self.dtype.itemsize > MAX_ROW_BYTES:
             self._fail(KvzFormatError, "tensor rows are implausibly large")
         kinds = [kind for _, kind, _ in self.tensors]
         self.layer_ids = [layer for layer, kind, _ in self.tensors if kind == "k"]
@@ -464,11 +520,24 @@ class KvzReader:
         return self._planes_by_len[tokens]
 
     def _check_index(self, data_start: int, data_end: int) -> None:
-        """Chunks must tile the data region in order and cover every tensor block and plane exactly once."""
+        """Chunks must tile the data region in order and cover every tensor block and plane exactly once.
+
+        The number of chunks the manifest implies is computed, not listed, and
+        compared with the index first: only then is anything done per chunk,
+        and the index's own length is bounded by the file's.
+        """
         idx = self.index
+        full_blocks, rest = divmod(self.num_tokens, self.chunk_tokens)
+        per_tensor = full_blocks * len(self.planes_for(self.chunk_tokens)) if full_blocks else 0
+        per_tensor += len(self.planes_for(rest)) if rest else 0
+        if len(self.tensors) * per_tensor != len(idx):
+            self._fail(KvzCorruptError, f"index has {len(idx)} chunks, the manifest needs {len(self.tensors) * per_tensor}")
+        if len(idx) and (np.any(idx["offset"] > data_end) or np.any(idx["stored_len"] > data_end)):
+            self._fail(KvzCorruptError, "a chunk lies outside the data region")
+        # Offsets and lengths are now below the file size, so these uint64 sums cannot wrap.
         if len(idx) and (idx["offset"][0] != data_start or np.any(idx["offset"][1:] != idx["offset"][:-1] + idx["stored_len"][:-1])):
             self._fail(KvzCorruptError, "chunk offsets do not tile the data region")
-        end = int(idx["offset"][-1] + idx["stored_len"][-1]) if len(idx) else data_start
+        end = int(idx["offset"][-1]) + int(idx["stored_len"][-1]) if len(idx) else data_start
         if end != data_end:
             self._fail(KvzCorruptError, "chunks do not end where the index begins")
         expected = []
@@ -477,8 +546,6 @@ class KvzReader:
                 count = min(self.chunk_tokens, self.num_tokens - start)
                 for p, spec in enumerate(self.planes_for(count)):
                     expected.append((t, p, start, count, spec.nbytes))
-        if len(expected) != len(idx):
-            self._fail(KvzCorruptError, f"index has {len(idx)} chunks, the manifest needs {len(expected)}")
         got = np.stack([idx["tensor"], idx["plane"], idx["token_start"], idx["token_count"], idx["raw_len"]], axis=1) if len(idx) else np.zeros((0, 5))
         if len(idx) and not np.array_equal(got.astype(np.int64), np.array(expected, dtype=np.int64)):
             self._fail(KvzCorruptError, "index entries do not match the tensor manifest")
@@ -489,9 +556,20 @@ class KvzReader:
             or np.any(idx["stored_xxh3"][raw] != idx["raw_xxh3"][raw])
         ):
             self._fail(KvzCorruptError, "bad chunk flags: a chunk stored raw must have equal stored and raw length and hash")
+        largest = max((nbytes for *_, nbytes in expected), default=0)
+        if largest > self.max_size:
+            self._fail(OutputTooLargeError, f"a chunk would decode to {largest} bytes, over the limit of {self.max_size}")
         self._rows = {}
         for row, (t, _, start, _, _) in enumerate(expected):
             self._rows.setdefault((t, start), []).append(row)
+
+    def _check_read_size(self, layers: Sequence[int] | None, tokens: slice | None) -> None:
+        """Refuse, before anything is allocated, a read whose result would exceed ``max_size``."""
+        n_layers = len(self.layer_ids) if layers is None else len(layers)
+        start, stop, _ = (tokens or slice(None)).indices(self.num_tokens)
+        nbytes = 2 * n_layers * self._heads * max(stop - start, 0) * self._dim * self.dtype.itemsize
+        if nbytes > self.max_size:
+            self._fail(OutputTooLargeError, f"the cache read would be {nbytes} bytes, over the limit of {self.max_size}")
 
     # -- reading chunks ---------------------------------------------------------------------
     def _decode_block(self, tensor: int, start: int) -> np.ndarray:
@@ -533,6 +611,7 @@ class KvzReader:
 
         The tensors come back as views of one array, allocated once.
         """
+        self._check_read_size(layers, tokens)
         wanted = self.layer_ids if layers is None else list(layers)
         missing = [l for l in wanted if l not in self.layer_ids]
         if missing:
@@ -585,6 +664,7 @@ class KvzReader:
         jobs["offset"] = entries["offset"]
         jobs["stored_len"] = entries["stored_len"]
         jobs["stored_xxh3"] = entries["stored_xxh3"]
+        jobs["raw_xxh3"] = entries["raw_xxh3"]
         jobs["out_index"] = [out for out, _, _ in blocks]
         jobs["flags"] = np.where(entries["flags"] & FLAG_STORED_RAW, JOB_STORED_RAW, 0)
         jobs["block_tokens"] = entries["token_count"]
@@ -637,10 +717,12 @@ class KvzReader:
                 flat[cells] = np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8)[kept]
             return
         blocks = [(i, t, start) for i, t in enumerate(positions) for start in range(0, self.num_tokens, self.chunk_tokens)]
+        if not blocks:  # no tokens or no layers: nothing to place (the native core refuses an empty batch)
+            return
         chunk_rows = np.array([self._rows[(t, start)][0] for _, t, start in blocks], dtype=np.int64)
         entries = self.index[chunk_rows]
         jobs = np.zeros(len(blocks), JOB_DTYPE)
-        for name in ("offset", "stored_len", "stored_xxh3"):
+        for name in ("offset", "stored_len", "stored_xxh3", "raw_xxh3"):
             jobs[name] = entries[name]
         jobs["out_index"] = [target_of[i] for i, _, _ in blocks]
         jobs["flags"] = np.where(entries["flags"] & FLAG_STORED_RAW, JOB_STORED_RAW, 0)
@@ -693,18 +775,56 @@ class KvzReader:
         }
 
 
-def open_kvz(path: str | os.PathLike) -> KvzReader:
-    """Open and validate a .kvz file (header, index, trailer); chunks are read on demand."""
+def open_kvz(path: str | os.PathLike, max_size: int = DEFAULT_MAX_SIZE) -> KvzReader:
+    """Open and validate a .kvz file (header, index, trailer); chunks are read on demand.
+
+    ``max_size`` caps the bytes the reader decodes (see ``KvzReader``).
+    """
     path = Path(path)
-    return KvzReader(_FileSource(path), name=str(path))
+    return KvzReader(_FileSource(path), name=str(path), max_size=max_size)
 
 
-def decode_cache(data: bytes | bytearray | memoryview, layers: Sequence[int] | None = None, tokens: slice | None = None) -> KVCache:
-    """The cache held in .kvz bytes (all of it, or some layers and tokens)."""
-    with KvzReader.from_bytes(data) as reader:
+def decode_cache(
+    data: bytes | bytearray | memoryview,
+    layers: Sequence[int] | None = None,
+    tokens: slice | None = None,
+    max_size: int = DEFAULT_MAX_SIZE,
+) -> KVCache:
+    """The cache held in .kvz bytes (all of it, or some layers and tokens), at most ``max_size`` bytes of it."""
+    with KvzReader.from_bytes(data, max_size=max_size) as reader:
         return reader.read(layers=layers, tokens=tokens)
 
 
 def is_kvz(path: str | os.PathLike) -> bool:
-    with open(path, "rb") as f:
+    """Whether ``path`` starts with the .kvz magic; refuses a path that is not a regular file."""
+    with open_regular(path) as f:
         return f.read(len(MAGIC)) == MAGIC
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects, counted up to ``MAX_JSON_DEPTH + 1``."""
+    depth, level = 0, [value]
+    while depth <= MAX_JSON_DEPTH:
+        containers = [item for item in level if isinstance(item, (dict, list))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [child for item in containers for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} does not fit a 64-bit float")
+    return value
+
+
+def _brief(value: Any) -> str:
+    """A short repr for messages about values read from a file."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

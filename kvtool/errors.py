@@ -2,7 +2,14 @@
 
 Every error a user can cause (bad input, a missing library, corrupt data) is a
 ``KvtoolError``; the CLI prints its message as one line and exits with its
-``exit_code``. Anything else escaping is a bug.
+``exit_code``. Anything else escaping is a bug. The exit codes:
+
+    0    success
+    1    the request could not be done (no such entry, not stored, out of memory)
+    2    usage: a bad option, argument, spec or input path
+    3    unavailable: a library is missing here, or a store server cannot be reached
+    4    input that does not decode: corrupt, truncated, not this format, or over a size limit
+    130  interrupted (Ctrl-C); 143 terminated (SIGTERM); partly written files are removed
 """
 
 
@@ -30,6 +37,10 @@ class UnavailableError(KvtoolError):
     """A registered component whose library or package is missing here."""
 
     exit_code = 3
+
+
+class StoreUnreachableError(UnavailableError):
+    """A store's server does not answer, for a command that must not mistake that for an empty store."""
 
 
 class DecodeError(KvtoolError):

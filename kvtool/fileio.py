@@ -1,12 +1,54 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a part."""
+"""Safe file access: atomic writes, and reads that refuse what is not a regular file.
+
+A reader of an atomic write sees the old file or the whole new one, never a
+part. Input paths are checked to be regular files before they are read, so a
+FIFO, a device such as ``/dev/zero`` or a directory is refused at once instead
+of blocking or filling memory.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import os
+import re
 import secrets
+import stat
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+from kvtool.errors import UsageError
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def check_regular(path: str | os.PathLike) -> None:
+    """Raise ``UsageError`` unless ``path`` is a regular file (following symlinks); never blocks."""
+    _require_regular(path, os.stat(path).st_mode)
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """Open an existing regular file for reading; a FIFO or device is refused without blocking on it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _require_regular(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _require_regular(path: str | os.PathLike, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"{os.fspath(path)}: not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'a special file')})")
 
 
 @contextlib.contextmanager
@@ -14,11 +56,25 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Write to a temporary file beside ``path``; fsync and rename it into place on success.
 
     On any exception the temporary file is removed and ``path`` is left untouched.
+    The temporary file is locked (``flock``) while it is written, so one left by a
+    killed process is recognised, unlocked, and removed by the next write to ``path``.
     """
     path = Path(path)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.part"
+    _remove_abandoned_parts(path)
+    token = secrets.token_hex(6)
+    tmp = path.parent / f".{path.name}.{token}.part"
+    # Locked under another name first, so no file named .part is ever unlocked while its writer lives.
     # os.open applies the umask to 0o666, as an ordinary new file gets; an existing file keeps its mode.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    new = path.parent / f".{path.name}.{token}.new"
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(new, tmp)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(new)
+        raise
     try:
         if path.exists():
             os.fchmod(fd, path.stat().st_mode & 0o7777)
@@ -26,12 +82,38 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # before the close releases the lock
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def _remove_abandoned_parts(path: Path) -> None:
+    """Remove temporary files of earlier writes to ``path`` whose writer died (their lock is free)."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{12}}\.part")
+    with contextlib.suppress(OSError):
+        for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.part"):
+            if pattern.fullmatch(candidate.name):
+                _remove_if_unlocked(candidate)
+
+
+def _remove_if_unlocked(part: Path) -> None:
+    try:
+        fd = os.open(part, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.exists(part) and os.path.samestat(os.fstat(fd), os.stat(part)):
+            os.unlink(part)
+    except OSError:  # locked: its writer is alive
+        return
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -17,6 +17,7 @@ from kvtool.recipe import recipe_for
 from kvtool.container import KvzCorruptError, KvzFormatError, decode_cache, encode_cache, open_kvz
 from kvtool.errors import DecodeError, UsageError
 from kvtool.recipe import Recipe
+from kvtool.testing import require_available
 
 RECIPES = [
     "none",
@@ -41,6 +42,7 @@ def small(samples) -> KVCache:
 
 @pytest.mark.parametrize("codec_id", sorted(codec_registry.ids()))
 def test_every_codec_round_trips_every_sample(samples, tmp_path, codec_id):
+    require_available(recipe_for(codec_id))
     for sample in samples:
         cache = KVCache.load(sample)
         path = tmp_path / f"{sample.stem}.kvz"
@@ -53,6 +55,7 @@ def test_every_codec_round_trips_every_sample(samples, tmp_path, codec_id):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("chunk_tokens", [16, 256])
 def test_recipes_round_trip(small, recipe, chunk_tokens):
+    require_available(recipe)
     blob = encode_cache(small, recipe, chunk_tokens=chunk_tokens, threads=2)
     decoded = decode_cache(blob)
     assert decoded.equal_bits(small)
@@ -221,3 +224,12 @@ def test_fuzzed_files_decode_exactly_or_fail_cleanly(small, data):
         return
     # Only an unchanged file, or a splice that copied the other file whole, is a valid .kvz.
     assert decoded.equal_bits(one) or (bytes(mutated) == other and decoded.equal_bits(other_cache))
+
+
+@pytest.mark.parametrize("recipe", ["exphuff", "byteplane|zstd:1"])
+def test_read_rows_of_a_cache_without_tokens_places_nothing(small, recipe):
+    empty = small.select(tokens=slice(0, 0))
+    target = np.full(16, 7, np.uint8)
+    with container.KvzReader.from_bytes(encode_cache(empty, recipe)) as reader:
+        reader.read_rows([target], np.zeros((6, 3, 0), np.int64), [0] * 6)
+    assert (target == 7).all()

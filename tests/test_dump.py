@@ -98,13 +98,36 @@ def cli_model(loaded, monkeypatch):
     monkeypatch.setattr(hf, "load", lambda model=None: loaded)
 
 
-def test_dump_reproduces_the_committed_sample(cli_model, tmp_path):
+# How far a dump on another CPU may lie from the committed sample (made on an AMD CPU with AVX2).
+# benchmarks/rounding.py measures the sample's first 64 tokens against the same tokens computed in
+# fp64, which no fp32 rounding reaches: 689 of 737,280 bf16 values (0.09%) differ, each by at most
+# one bf16 unit in the last place (2^-7 relative) or 0.016 absolute, and the next-token accuracy is
+# the same. Another CPU's fp32 dump deviates from fp64 about as much, so it may differ from the
+# sample by twice that; the share of differing values is allowed ten times the measured share.
+RTOL, ATOL = 2**-6, 2e-3
+MAX_DIFFERING_SHARE = 0.01
+ACCURACY_64 = 24 / 63  # of the sample's first 64 tokens, measured by benchmarks/rounding.py
+
+
+def assert_agrees_with_sample(cache: KVCache, tokens: int) -> None:
+    sample = KVCache.load(CODE_SAMPLE, tokens=slice(0, tokens))
+    assert cache.layer_ids == sample.layer_ids and cache.token_start == sample.token_start
+    differing = 0
+    for a, b in zip(cache.keys + cache.values, sample.keys + sample.values):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=RTOL, atol=ATOL)
+        differing += int(np.count_nonzero(a.view(np.uint16) != b.view(np.uint16)))
+    assert differing <= MAX_DIFFERING_SHARE * cache.nbytes / 2, f"{differing} bf16 values differ from the sample"
+
+
+def test_dump_agrees_with_the_committed_sample(cli_model, tmp_path):
+    """What holds on any CPU: shapes, dtype, provenance, values within the measured rounding tolerance."""
     out = tmp_path / "code64.safetensors"
     result = run("dump", str(CODE_TEXT), "-o", str(out), "--max-tokens", "64", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["tokens"] == 64 and report["bytes_per_token"] == 23040 and report["dtype"] == "bf16"
-    assert report["next_token_accuracy"] > 0.3
+    assert abs(report["next_token_accuracy"] - ACCURACY_64) <= 2 / 63  # at most two predictions change
 
     cache = KVCache.load(out)
     assert cache.dtype.name == "bf16" and cache.num_layers == 30
@@ -112,14 +135,13 @@ def test_dump_reproduces_the_committed_sample(cli_model, tmp_path):
     facts = cache.model
     assert (facts.architecture, facts.num_layers, facts.num_kv_heads, facts.head_dim) == ("llama", 30, 3, 64)
     assert facts.keys_post_rope is True
-    prov = cache.provenance
+    prov, sample_prov = cache.provenance, KVCache.load(CODE_SAMPLE).provenance
     assert prov["token_count"] == 64 and prov["text_name"] == CODE_TEXT.name
+    assert prov["text_sha256"] == sample_prov["text_sha256"] and prov["chunk_tokens"] == sample_prov["chunk_tokens"]
     assert prov["next_token_accuracy"] == report["next_token_accuracy"]
-    # A causal LM's cache of a prefix does not depend on later tokens, and both runs fit one chunk.
-    assert cache.equal_bits(KVCache.load(CODE_SAMPLE, tokens=slice(0, 64))), (
-        "the 64-token dump differs from the committed sample's first 64 tokens: "
-        "a different torch build or CPU computes other fp32 roundings"
-    )
+    # A causal LM's cache of a prefix does not depend on later tokens: the dump is the sample's first 64 tokens,
+    # up to the fp32 roundings of this CPU and torch build.
+    assert_agrees_with_sample(cache, 64)
 
 
 def test_dump_fp16_from_stdin_agrees_with_bf16(cli_model, tmp_path):
@@ -159,13 +181,19 @@ def test_dump_of_empty_text_fails_cleanly(cli_model, tmp_path):
     assert result.exit_code == 2 and "no tokens" in result.stderr
 
 
-def test_convert_model_writes_a_plain_folder_with_the_same_model(cli_model, tmp_path):
+def test_convert_model_writes_a_plain_folder_with_the_same_model(cli_model, loaded, tmp_path):
     out = tmp_path / "smollm2"
     result = run("convert-model", str(out), "--dtype", "fp32")  # fp32 keeps the dequantised weights exactly
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["num_key_value_heads"] == 3
     assert not list(tmp_path.glob("*.part"))
+    converted = LOAD(out)
+    # Both models were dequantised and run on this CPU, so they agree bit for bit on any CPU.
+    ours, theirs = loaded.model.state_dict(), converted.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[name].dtype == theirs[name].dtype and ours[name].equal(theirs[name]) for name in ours)
     text = CODE_TEXT.read_text(encoding="utf-8")
-    cache = hf.prefill(LOAD(out), text, text_name="t", max_tokens=16)
-    assert cache.equal_bits(KVCache.load(CODE_SAMPLE, tokens=slice(0, 16)))
+    cache = hf.prefill(converted, text, text_name="t", max_tokens=16)
+    assert cache.equal_bits(hf.prefill(loaded, text, text_name="t", max_tokens=16))
+    assert_agrees_with_sample(cache, 16)

@@ -1,4 +1,9 @@
-"""The qat and isal codecs speak plain gzip: with each other, gzip(1), Python's gzip and the CLI."""
+"""The qat and isal codecs speak plain gzip: with each other, gzip(1), Python's gzip and the CLI.
+
+Tests that encode through QATzip are skipped, with the reason, where libqatzip is
+missing (scripts/install-qatzip.sh installs it); decoding needs no QATzip and is
+tested everywhere.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typer.testing import CliRunner
 from kvtool.cli import app
 from kvtool.codecs import _qatzip, get_codec
 from kvtool.errors import OutputTooLargeError
+from kvtool.testing import require_available
 from kvtool.testing.data import kv_like_bf16
 
 GZIP = shutil.which("gzip")
@@ -50,6 +56,7 @@ def _count_members(blob: bytes) -> int:
 @needs_gzip
 @pytest.mark.parametrize("spec", ["qat", "qat:9", "isal:0", "isal:3"])
 def test_output_is_plain_gzip(spec: str, data: bytes):
+    require_available(spec)
     encoded = get_codec(spec).encode(data)
     assert encoded[:2] == b"\x1f\x8b"
     assert gzip.decompress(encoded) == data
@@ -75,12 +82,14 @@ def test_multi_member_gzip(spec: str, data: bytes):
 
 
 def test_qat_and_isal_read_each_other(data: bytes):
+    require_available("qat", "isal")
     qat, isal = get_codec("qat"), get_codec("isal:2")
     assert isal.decode(qat.encode(data), max_size=len(data)) == data
     assert qat.decode(isal.encode(data), max_size=len(data)) == data
 
 
 def test_large_input_becomes_several_members(monkeypatch, data: bytes):
+    require_available("qat")
     monkeypatch.setattr(_qatzip, "_MAX_CALL", 50_000)
     encoded = get_codec("qat").encode(data)
     assert _count_members(encoded) == -(-len(data) // 50_000)
@@ -89,6 +98,7 @@ def test_large_input_becomes_several_members(monkeypatch, data: bytes):
 
 
 def test_codecs_json_reports_qatzip():
+    require_available("qat")
     result = CliRunner().invoke(app, ["codecs", "--json"])
     assert result.exit_code == 0, result.output
     rows = {row["id"]: row for row in json.loads(result.stdout)}
@@ -102,6 +112,7 @@ def test_codecs_json_reports_qatzip():
 
 @needs_gzip
 def test_cli_round_trips_with_gzip(tmp_path: Path, data: bytes):
+    require_available("qat")
     runner = CliRunner()
     src = tmp_path / "blob.bin"
     src.write_bytes(data)
@@ -153,6 +164,7 @@ def test_missing_library_is_unavailable_but_decode_works(tmp_path: Path):
 
 def test_software_fallback_does_not_exhaust_thread_keys():
     """libqatzip 1.3 leaks a pthread key per software call; kvtool deletes it (or stops calling QATzip)."""
+    require_available("qat")
     script = """
 import ctypes, gzip, sys
 from kvtool.codecs import _qatzip, get_codec
@@ -176,6 +188,7 @@ print("reclaimed" if lib._reclaimer else "budget", key.value)
 
 def test_spent_budget_writes_the_same_format(monkeypatch, caplog):
     """Where kvtool cannot give QATzip's leaked keys back, it stops calling QATzip after a budget."""
+    require_available("qat")
     from kvtool.codecs import _qatzip, qat
 
     lib = _qatzip.load()

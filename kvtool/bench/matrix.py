@@ -146,14 +146,19 @@ def measure(
     gigabytes = cache.nbytes / 1e9
     for n in sorted({1, threads}):
         wall, cpu = _best(lambda: write_cache(_CountingSink(), cache, recipe, chunk_tokens, threads=n), repeat)
-        result.compress_mbps[str(n)] = round(cache.nbytes / wall / 1e6, 1)
+        result.compress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.compress_cpu_s_per_gb = round(cpu / gigabytes, 3)
         wall, cpu = _best(lambda: _decode(blob, n), repeat)
-        result.decompress_mbps[str(n)] = round(cache.nbytes / wall / 1e6, 1)
+        result.decompress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.decompress_cpu_s_per_gb = round(cpu / gigabytes, 3)
     return result
+
+
+def _megabytes_per_second(nbytes: int, seconds: float) -> float:
+    """MB/s to three significant digits, so a slow run on a loaded machine reads 0.0412, not 0.0."""
+    return float(f"{nbytes / max(seconds, 1e-9) / 1e6:.3g}")
 
 
 def measure_peer(cache: KVCache, peer: peer_tools.Peer, repeat: int, chunk_tokens: int) -> Result:
@@ -173,8 +178,8 @@ def measure_peer(cache: KVCache, peer: peer_tools.Peer, repeat: int, chunk_token
     d_wall, d_cpu = _best(lambda: [decompress(s) for s in stored], repeat)
     return Result(
         name, OK, raw_bytes=cache.nbytes, stored_bytes=size, ratio=round(cache.nbytes / size, 4),
-        compress_mbps={"1": round(cache.nbytes / c_wall / 1e6, 1)},
-        decompress_mbps={"1": round(cache.nbytes / d_wall / 1e6, 1)},
+        compress_mbps={"1": _megabytes_per_second(cache.nbytes, c_wall)},
+        decompress_mbps={"1": _megabytes_per_second(cache.nbytes, d_wall)},
         compress_cpu_s_per_gb=round(c_cpu / gigabytes, 3), decompress_cpu_s_per_gb=round(d_cpu / gigabytes, 3),
     )
 

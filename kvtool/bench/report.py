@@ -28,7 +28,7 @@ def headline(file: FileReport) -> str:
 
 def limits_line(file: FileReport) -> str:
     parts = [f"{LABELS[name]} {file.limits['all'][name]:.3f}x" for name in LIMITS if file.limits["all"][name]]
-    return "order-0 limits: " + " | ".join(parts)
+    return "entropy limits (models free): " + " | ".join(parts)
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -71,7 +71,7 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
             f"comp {n}t": r.compress_mbps.get(n, r.compress_mbps["1"]),
             "dec MB/s": r.decompress_mbps["1"],
             f"dec {n}t": r.decompress_mbps.get(n, r.decompress_mbps["1"]),
-            "vs zstd:3": f"{r.compress_mbps['1'] / reference.compress_mbps['1']:.2f}x" if reference else "",
+            "vs zstd:3": f"{r.compress_mbps['1'] / reference.compress_mbps['1']:.2f}x" if reference and reference.compress_mbps["1"] else "",
             "cpu s/GB c": r.compress_cpu_s_per_gb,
             "cpu s/GB d": r.decompress_cpu_s_per_gb,
             "planes": " ".join(f"{p} {v:.2f}" for p, v in r.by_plane.items()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from tqdm import tqdm
 from typer.core import TyperGroup
 
 from kvtool.errors import UsageError
+from kvtool.fileio import check_regular
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 
@@ -41,11 +43,18 @@ def _fmt(value: Any) -> str:
 
 
 def existing_file(path: Path) -> Path:
+    """``path``, after checking that it is a regular file (a FIFO or a device would block or never end)."""
     if not path.exists():
         raise UsageError(f"no such file: {path}")
-    if path.is_dir():
-        raise UsageError(f"is a directory, not a file: {path}")
+    check_regular(path)
     return path
+
+
+def distinct_output(src: Path, dst: Path) -> Path:
+    """``dst``, after checking that writing it cannot replace ``src`` (same path, link or bind mount)."""
+    if src.resolve() == dst.resolve() or (dst.exists() and src.exists() and os.path.samefile(src, dst)):
+        raise UsageError(f"the output {dst} is the input file; write to another path")
+    return dst
 
 
 def progress(**kwargs) -> tqdm:

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from kvtool.cache import KVCache, ModelFacts
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json
+from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json
 from kvtool.errors import UsageError
 from kvtool.sources import hf
 
@@ -29,7 +29,11 @@ def dump(
     json_out: bool = JSON_OPTION,
 ):
     """Run a model over a text and save its KV cache."""
-    raw = sys.stdin.buffer.read() if str(text) == "-" else existing_file(text).read_bytes()
+    if str(text) == "-":
+        raw = sys.stdin.buffer.read()
+    else:
+        distinct_output(existing_file(text), out)
+        raw = text.read_bytes()
     name = "stdin" if str(text) == "-" else text.name
     try:
         source = raw.decode("utf-8")
@@ -75,7 +79,8 @@ def import_cache(
 ):
     """Convert another tool's safetensors KV dump into kvtool's own."""
     facts = ModelFacts(model_id=model_id, architecture=architecture, keys_post_rope=keys_post_rope)
-    cache = KVCache.load(existing_file(src), pattern=pattern, model=facts)
+    distinct_output(existing_file(src), out)
+    cache = KVCache.load(src, pattern=pattern, model=facts)
     cache.save(out)
     report = {
         "out": str(out),

@@ -14,7 +14,7 @@ import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, progress
+from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json, progress
 from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
@@ -25,6 +25,12 @@ from kvtool.units import parse_size
 PATTERN_OPTION = typer.Option(
     None, "--pattern", help="Treat IN as a KV cache whose tensors are named like 'model.layers.{layer}.self_attn.{k|v}'."
 )
+THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, help="Worker threads (0: one per core).")
+MAX_SIZE_OPTION = typer.Option(
+    "16GiB", "--max-size", help="Refuse to decode more than this many bytes (e.g. 512MiB), checked before decoding."
+)
+#: More layer ids than any model has; a longer --layers list is a typo, not a request.
+MAX_LAYER_SELECTION = 1 << 16
 
 
 def compress(
@@ -36,16 +42,22 @@ def compress(
     ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
     chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
-    threads: int = typer.Option(0, "--threads", "-t", help="Worker threads (0: one per core)."),
+    threads: int = THREADS_OPTION,
     pattern: Optional[str] = PATTERN_OPTION,
 ):
     """Compress a KV cache into a .kvz, or any file into one codec stream."""
-    existing_file(src)
+    distinct_output(existing_file(src), dst)
     if codec and recipe:
         raise UsageError("give --recipe (a .kvz of a KV cache) or --codec (a plain stream), not both")
-    if codec or not (pattern or _is_kv_cache(src)):
+    not_kv = None if pattern else _not_a_kv_cache(src)
+    if codec or not_kv:
         if recipe:
-            raise UsageError(f"{src} is not a KV cache safetensors file; --recipe applies only to KV caches")
+            raise UsageError(f"{src} is not a KV cache ({not_kv}); --recipe applies only to KV caches")
+        if dst.suffix == ".kvz":
+            why = "--codec writes a plain codec stream" if codec else f"{src} is not a KV cache ({not_kv})"
+            raise UsageError(f"{why}, but {dst.name} is named as a .kvz container; name the output otherwise, e.g. {dst.stem}.zst")
+        if not codec and src.suffix == ".safetensors":
+            typer.echo(f"kvtool: {src} is not a KV cache ({not_kv}); writing one plain zstd:3 stream", err=True)
         _compress_plain(src, dst, codec or "zstd:3")
         return
     cache = api.load(src, pattern=pattern)
@@ -63,13 +75,14 @@ def decompress(
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Codec of a plain stream; recognised from its magic bytes when omitted."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Only these layers of a .kvz, e.g. '0,7' or '0-3'."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Only this token range of a .kvz, e.g. '0:128'."),
-    threads: int = typer.Option(0, "--threads", "-t", help="Worker threads (0: one per core)."),
-    max_size: str = typer.Option("16GiB", "--max-size", help="Refuse to produce more than this from a plain stream."),
+    threads: int = THREADS_OPTION,
+    max_size: str = MAX_SIZE_OPTION,
 ):
     """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
-    existing_file(src)
+    distinct_output(existing_file(src), dst)
+    limit = parse_size(max_size)
     if container.is_kvz(src) and not codec:
-        with container.open_kvz(src) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+        with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             cache = reader.read(parse_layers(layers), parse_tokens(tokens), threads or None, on_progress=bar.update)
         if reader.lossy:  # the written cache keeps saying what it is
             cache.provenance["lossy_recipe"] = reader.recipe.spec()
@@ -82,7 +95,7 @@ def decompress(
     coder = get_codec(codec) if codec else sniff_codec(data[:8])
     if coder is None:
         raise DecodeError(f"{src}: neither a .kvz nor a gzip, zstd or lz4 stream; name its codec with --codec")
-    out = coder.decode(data, max_size=parse_size(max_size))
+    out = coder.decode(data, max_size=limit)
     with atomic_write(dst) as f:
         f.write(out)
 
@@ -90,11 +103,12 @@ def decompress(
 def verify(
     src: Path = typer.Argument(..., help="A .kvz file."),
     full: bool = typer.Option(False, "--full", help="Also decode every chunk and check the decoded bytes."),
+    max_size: str = MAX_SIZE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Check a .kvz's header, index and every chunk checksum."""
     existing_file(src)
-    with container.open_kvz(src) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+    with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
         report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
         note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""
@@ -105,16 +119,23 @@ def verify(
 
 
 def parse_layers(text: str | None) -> list[int] | None:
-    """``'0,7'`` or ``'0-3,9'`` -> layer ids."""
+    """``'0,7'`` or ``'0-3,9'`` -> layer ids, each once, ranges from low to high."""
     if not text:
         return None
+    bad = UsageError(f"bad layer list {text[:80]!r}; write e.g. '0,7' or '0-3'")
     out: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
-    except ValueError:
-        raise UsageError(f"bad layer list {text!r}; write e.g. '0,7' or '0-3'") from None
+    for part in text.split(","):
+        lo, dash, hi = (s.strip() for s in part.partition("-"))
+        if not (lo.isascii() and lo.isdigit()) or (dash and not (hi.isascii() and hi.isdigit())):
+            raise bad
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if first > last:
+            raise UsageError(f"layer range {part.strip()!r} runs backwards; write it low to high, e.g. '{last}-{first}'")
+        if len(out) + last - first + 1 > MAX_LAYER_SELECTION:
+            raise UsageError(f"layer list {text[:80]!r} names more than {MAX_LAYER_SELECTION} layers")
+        out.extend(range(first, last + 1))
+    if len(set(out)) != len(out):
+        raise UsageError(f"layer list {text[:80]!r} names a layer twice")
     return out
 
 
@@ -131,14 +152,16 @@ def parse_tokens(text: str | None) -> slice | None:
         raise UsageError(f"bad token range {text!r}; write e.g. '0:128'") from None
 
 
-def _is_kv_cache(path: Path) -> bool:
+def _not_a_kv_cache(path: Path) -> str | None:
+    """Why ``path`` is not a kvtool KV cache in safetensors, or None when it is one."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return (f.metadata() or {}).get("kvtool.format") == FORMAT_TAG
-    except Exception:  # not a safetensors file at all: a plain file
-        return False
+            tagged = (f.metadata() or {}).get("kvtool.format") == FORMAT_TAG
+    except Exception as exc:  # safetensors raises its own types: a plain file, or a damaged one
+        return f"not a readable safetensors file: {str(exc)[:120]}"
+    return None if tagged else "a safetensors file without kvtool's KV cache tag; --pattern reads other tools' dumps"
 
 
 def _compress_plain(src: Path, dst: Path, codec_spec: str) -> None:

@@ -19,11 +19,11 @@ import safetensors.numpy
 import typer
 from safetensors import safe_open
 
-from kvtool.cache import KVCache, ModelFacts, dtype_of
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, progress
+from kvtool.cache import KVCache, dtype_of, parse_metadata
+from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json, progress
 from kvtool.cli.inspect import PATTERN_HELP
 from kvtool.errors import DecodeError, KvtoolError, UsageError
-from kvtool.fileio import atomic_write
+from kvtool.fileio import atomic_write, check_regular
 from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
 from kvtool.layouts.base import INPUT_NAME, PlaneSpec
 from kvtool.units import format_size
@@ -42,7 +42,7 @@ def reorder(
     """Write a cache's tensors split and reordered by a layout chain, one tensor per plane; --inverse undoes it."""
     if inverse == (layout is not None):
         raise UsageError("give either --layout SPEC or --inverse")
-    existing_file(src)
+    distinct_output(existing_file(src), dst)
     chain = None if inverse else parse_layouts(layout)
     if chain is not None and chain.lossy:
         raise UsageError(f"layout {layout!r} is lossy: reorder writes planes it can undo bit for bit; "
@@ -92,6 +92,7 @@ def reordered_tensors(cache: KVCache, chain: LayoutChain) -> tuple[dict[str, np.
 
 def restore(path: Path) -> KVCache:
     """The plain cache a file written by ``kvtool reorder --layout`` came from."""
+    check_regular(path)
     try:
         handle = safe_open(str(path), framework="numpy")
     except Exception as exc:  # safetensors raises its own types for bad headers
@@ -103,11 +104,9 @@ def restore(path: Path) -> KVCache:
         try:
             chain = LayoutChain([layout_from_config(c) for c in json.loads(meta["kvtool.layout"])])
             originals = json.loads(meta["kvtool.tensors"])
-            model = ModelFacts.from_dict(json.loads(meta.get("kvtool.model", "{}")))
-            provenance = json.loads(meta.get("kvtool.provenance", "{}"))
-            token_start = int(meta.get("kvtool.token_start", "0"))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise DecodeError(f"{path}: bad reorder metadata ({exc})") from None
+        model, provenance, token_start = parse_metadata(meta, path)
         if not isinstance(originals, dict):
             raise DecodeError(f"{path}: bad reorder metadata (kvtool.tensors is not an object)")
         names = set(f.keys())

@@ -57,6 +57,19 @@ def _open(url: Optional[str], read_only: bool = False) -> Store:
     return open_store(url or default_store_url(), read_only=read_only)
 
 
+def _open_to_report(url: Optional[str]) -> Store:
+    """A store opened read-only whose every tier answers, for commands that report contents:
+    a tier that is down is an error, not an empty tier."""
+    store = _open(url, read_only=True)
+    try:
+        for tier in store.tiers if isinstance(store, TieredStore) else [store]:
+            tier.check_reachable()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 @store_app.command("put")
 def put(
     key: str = typer.Argument(..., help="Key to store the value under."),
@@ -96,7 +109,7 @@ def get(
 @store_app.command("ls")
 def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
     """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
-    with _open(store, read_only=True) as s:
+    with _open_to_report(store) as s:
         rows = []
         for key in s.keys():
             info = s.info(key)
@@ -124,7 +137,7 @@ def stats(
     --json and --prometheus add this process's counters (hits, bytes read, ...),
     which start at zero: a store's activity is in the metrics of the processes using it.
     """
-    with _open(store, read_only=True) as s:
+    with _open_to_report(store) as s:
         data = s.stats()
     if json_out:
         print_json(data)

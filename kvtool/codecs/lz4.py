@@ -1,7 +1,8 @@
 """LZ4 frame format, through the ``lz4`` package.
 
 Frames carry the content size and a content checksum; decode stops at
-``max_size`` bytes instead of trusting the header.
+``max_size`` bytes instead of trusting the header, and takes its output in
+steps, so a generous ``max_size`` reserves no memory up front.
 """
 
 from __future__ import annotations
@@ -34,16 +35,23 @@ class Lz4Codec(Codec):
         )
 
     def decode(self, buf: BufferLike, max_size: int) -> bytes:
-        view = as_memoryview(buf)
         dec = lz4.frame.LZ4FrameDecompressor()
+        parts, size, data = [], 0, as_memoryview(buf)
         try:
-            out = dec.decompress(view, max_length=max_size)
-            if not dec.eof:
-                if dec.needs_input:
+            while not dec.eof:
+                part = dec.decompress(data, max_length=min(max_size - size + 1, _STEP))
+                data = b""  # the decoder keeps what it has not consumed yet
+                parts.append(part)
+                size += len(part)
+                check_output_size(size, max_size)
+                if not part and not dec.eof:
                     raise DecodeError("truncated lz4 frame")
-                check_output_size(max_size + 1, max_size)
             if dec.unused_data:
                 raise DecodeError(f"{len(dec.unused_data)} bytes of trailing data after the lz4 frame")
         except RuntimeError as exc:  # the lz4 package reports corrupt frames as RuntimeError
             raise DecodeError(f"corrupt lz4 data: {exc}") from None
-        return out
+        return b"".join(parts)
+
+
+#: Output taken from the decoder per call: large enough to be fast, small enough to reserve little.
+_STEP = 16 << 20

@@ -38,6 +38,8 @@ TUNING = {
     "hash_log": (zstandard.HASHLOG_MIN, zstandard.HASHLOG_MAX),
     "window_log": (zstandard.WINDOWLOG_MIN, zstandard.WINDOWLOG_MAX),
 }
+#: How much one input byte can become: a 4-byte block of one repeated byte stands for 128 KiB.
+_MAX_EXPANSION = 1 << 15
 #: Named tunings a spec can use in place of a level (``zstd:huff``).
 PRESETS = {"huff": {"level": 1, "strategy": "fast", "min_match": 7, "hash_log": 6, "window_log": 17}}
 
@@ -144,7 +146,26 @@ class ZstdCodec(Codec):
             if size >= 0:
                 check_output_size(size, max_size)
                 return self._dctx().decompress(view, allow_extra_data=False)
-            # Unknown content size (a stream from another tool): libzstd caps the output.
-            return self._dctx().decompress(view, max_output_size=max_size, allow_extra_data=False)
+            return self._decode_unknown_size(view, max_size)
         except zstandard.ZstdError as exc:
-            raise DecodeError(f"corrupt zstd data (or larger than {max_size} bytes): {exc}") from None
+            raise DecodeError(f"corrupt zstd data: {exc}") from None
+
+    def _decode_unknown_size(self, view: memoryview, max_size: int) -> bytes:
+        """A frame without its content size (a stream from another tool), decoded in steps.
+
+        libzstd's own cap would reserve all of ``max_size`` up front. The input
+        is fed in slices small enough that one slice cannot expand far past
+        what ``max_size`` still allows.
+        """
+        dobj = self._dctx().decompressobj()
+        out, pos = bytearray(), 0
+        while pos < len(view) and not dobj.eof:
+            step = max(64, min(1 << 16, (max_size - len(out)) // _MAX_EXPANSION))
+            out += dobj.decompress(view[pos : pos + step])
+            pos += step
+            check_output_size(len(out), max_size)
+        if not dobj.eof:
+            raise DecodeError("truncated zstd data")
+        if dobj.unused_data or pos < len(view):
+            raise DecodeError("trailing data after the zstd frame")
+        return bytes(out)

@@ -47,8 +47,8 @@ def open_store(
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
     ``policy``, ``promote`` and ``write_behind`` apply to a tiered store. Commas separate tiers,
-    except before the ``host:port`` of a cluster's next node, so a comma inside
-    one URL (a password) must be written ``%2C``. ``read_only`` opens it for
+    except before the ``host:port`` of a cluster's next node and inside credentials (a
+    comma in a password stays in its URL; see ``split_urls``). ``read_only`` opens it for
     inspection: nothing on disk or in a server changes (``Store`` says what that means).
     """
     urls = split_urls(url)

@@ -188,6 +188,15 @@ class Store(ABC):
         self._check_open()
         return self._keys()
 
+    def check_reachable(self) -> None:
+        """Raise ``StoreUnreachableError`` if the backend cannot be reached now.
+
+        Calls in the caller's path turn an unreachable server into misses; a
+        command that reports what a store holds asks first, so that a server
+        that is down is not shown as an empty store. Local backends are always
+        reachable.
+        """
+
     @property
     def used_bytes(self) -> int | None:
         """Bytes held by this store's records, or None where the backend cannot tell."""

@@ -45,10 +45,10 @@ from redis.backoff import NoBackoff
 from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
-from kvtool.errors import UsageError
+from kvtool.errors import StoreUnreachableError, UsageError
 from kvtool.store.base import Store, Value, log
 from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, check_key, parse_info, wrap
-from kvtool.store.url import parse_options, positive_seconds, redact, split_query
+from kvtool.store.url import has_password, parse_options, positive_seconds, redact, split_query
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
@@ -126,7 +126,7 @@ class RedisStore(Store):
         self.backoff = backoff
         self._down_until: dict[str, float] = {}
         self._state_lock = threading.Lock()
-        password = os.environ.get(PASSWORD_ENV) if self._base == base else None
+        password = None if has_password(base) else os.environ.get(PASSWORD_ENV)
         options: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": connect_timeout,
@@ -157,6 +157,17 @@ class RedisStore(Store):
         query = "&".join(f"{k}={v}" for k, v in options.items() if v is not None)
         return self._base + ("?" + query if query else "")
 
+    def check_reachable(self) -> None:
+        try:  # a cluster client connects on first use, so listing its servers can fail too
+            for _, client in self._servers():
+                client.ping()
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+            raise StoreUnreachableError(f"cannot reach the redis store {self._base}{self._detail(exc)}") from None
+
+    def _detail(self, exc: Exception) -> str:
+        """redis-py's reason for a failure; only its type where the URL holds credentials it might quote."""
+        return f" ({type(exc).__name__})" if "@" in self._base else f": {type(exc).__name__}: {exc}"
+
     # --- what differs between one server and a cluster ---------------------------
 
     def _open_client(self, base: str, options: dict[str, Any]) -> None:
@@ -166,7 +177,7 @@ class RedisStore(Store):
                 base, **options, **({} if tls else {"connection_class": UnbufferedConnection})
             )
         except ValueError as exc:
-            raise UsageError(f"bad redis URL {self._base!r}: {exc}") from None
+            raise UsageError(f"bad redis URL {self._base!r}{self._detail(exc)}") from None
 
     def _scope(self, key: str) -> str:
         """The circuit breaker a call on ``key`` falls under: the server that holds it."""

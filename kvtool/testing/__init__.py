@@ -14,11 +14,11 @@ Importing this module needs pytest (the ``test`` extra).
 """
 
 from kvtool.testing.arraycodecs import ArrayCodecTests
-from kvtool.testing.codecs import CodecTests
+from kvtool.testing.codecs import CodecTests, require_available
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import LayoutTests
 from kvtool.testing.lossy import LossyLayoutTests
 from kvtool.testing.stores import BoundedStoreTests, SharedStoreTests, StoreTests
 
 __all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "LossyLayoutTests", "SharedStoreTests",
-           "StoreTests", "kv_like_bf16"]
+           "StoreTests", "kv_like_bf16", "require_available"]

@@ -1,16 +1,21 @@
-"""Write the golden .kvz files (run once per format change; the tests decode them on every run).
+"""Write the golden files (run once per format change; the tests read them on every run).
 
     python tests/golden/make_golden.py
 
 Each file holds layers 0 and 29, tokens 0-11, of samples/code.safetensors: in 4-token
 chunks, one file per codec (byteplane layout) and one per layout chain; in one 12-token
 chunk per tensor, one file per array codec (a chunk that small would be stored raw).
+``store-v1.json`` holds store entry records (version 1) and prefix keys
+(``kvtool/prefix/1``) for fixed inputs, byte for byte.
 """
 
+import json
 from pathlib import Path
 
 from kvtool import container
 from kvtool.cache import KVCache
+from kvtool.store.entry import wrap
+from kvtool.store.keys import prefix_keys
 
 HERE = Path(__file__).parent
 SAMPLE = HERE.parents[1] / "samples" / "code.safetensors"
@@ -21,7 +26,8 @@ LAYOUT_RECIPES = {
     "layout-xor-delta-bf16-split": "channel-major|xor-delta|bf16-split|zstd:1,mant=none",
     "layout-sx-split-rans": "channel-major|sx-split|rans:192,mant=none",
 }
-ARRAY_RECIPES = {"array-exphuff": "exphuff"}
+# ctxans names its dictionary: the one kvtool ships (kvtool/modeldict/default.kvd), which stays shipped.
+ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0"}
 GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES}
 
 
@@ -33,7 +39,32 @@ def golden_cache() -> KVCache:
     return KVCache.load(SAMPLE, layers=[0, 29], tokens=slice(0, 12))
 
 
+STORE_VECTORS = HERE / "store-v1.json"
+ENTRY_INPUTS = [
+    {"key": "a", "value": "", "meta": {}},
+    {"key": "session-1", "value": "68656c6c6f", "meta": {"tokens": 5, "raw_bytes": 100}},
+    {"key": "\u00e9/\u043a\u043b\u044e\u0447/\U0001f642", "value": bytes(range(256)).hex(), "meta": {"s": "\u00fc", "nested": {"x": [1, 2.5, None, True]}}},
+    {"key": "k" * 1024, "value": (b"\x00\xff" * 500).hex(), "meta": {"prefix_tokens": 256, "tokens": 256}},
+]
+PREFIX_INPUTS = [
+    {"model_id": "SmolLM2-135M-Instruct", "recipe": "channel-major|byteplane|zstd:huff,lo=none", "salt": "", "chunk_tokens": 4, "tokens": list(range(1, 11))},
+    {"model_id": "SmolLM2-135M-Instruct", "recipe": "channel-major|byteplane|zstd:huff,lo=none", "salt": "tenant-a", "chunk_tokens": 4, "tokens": list(range(1, 11))},
+    {"model_id": "m", "recipe": "zstd:3", "salt": "\u00fc", "chunk_tokens": 256, "tokens": [(i * 7919) % 50000 for i in range(600)]},
+    {"model_id": "m", "recipe": "zstd:3", "salt": "", "chunk_tokens": 2, "tokens": [0, 4294967295, 65536]},
+    {"model_id": "m", "recipe": "zstd:3", "salt": "", "chunk_tokens": 16, "tokens": []},
+]
+
+
+def store_vectors() -> dict:
+    entries = [{**case, "record": wrap(case["key"], bytes.fromhex(case["value"]), case["meta"]).record.hex()} for case in ENTRY_INPUTS]
+    prefixes = [{**case, "keys": prefix_keys(case["tokens"], case["chunk_tokens"], case["model_id"], case["recipe"], case["salt"])} for case in PREFIX_INPUTS]
+    return {"entries": entries, "prefix_keys": prefixes}
+
+
 if __name__ == "__main__":
+    if not STORE_VECTORS.exists():
+        STORE_VECTORS.write_text(json.dumps(store_vectors(), indent=1, ensure_ascii=True) + "\n")
+        print(f"{STORE_VECTORS.name}: {len(ENTRY_INPUTS)} entry records, {len(PREFIX_INPUTS)} prefix key chains")
     cache = golden_cache()
     for name, recipe in GOLDEN.items():
         path = HERE / f"v1-{name.replace(':', '')}.kvz"

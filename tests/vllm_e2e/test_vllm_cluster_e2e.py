@@ -31,18 +31,17 @@ def test_a_second_server_restores_the_first_servers_prefix_from_the_cluster(
     with_suffix = {**prompt, "suffix": SUFFIX}
 
     (_, reference), _ = run_vllm(
-        tmp_path, {"model": str(model), "store": None, "prefix_caching": True, "steps": [prompt, with_suffix]},
-        multiprocessing=False,
+        tmp_path, {"model": str(model), "store": None, "prefix_caching": True, "steps": [prompt, with_suffix]}
     )
 
     store = f"{redis_cluster_url}?prefix=kvtool-e2e-{uuid.uuid4().hex[:12]}:&ttl=3600"
     server = {"model": str(model), "store": store}
-    (first,), log_a = run_vllm(tmp_path, {**server, "steps": [prompt]}, multiprocessing=False)
+    (first,), log_a = run_vllm(tmp_path, {**server, "steps": [prompt]})
     assert first["prompt_tokens"] >= 1000
     assert restored_tokens(log_a) == []
 
     steps = [{**with_suffix, "salt": "another-tenant"}, with_suffix]
-    (_, hit), log_b = run_vllm(tmp_path, {**server, "steps": steps}, multiprocessing=False)
+    (_, hit), log_b = run_vllm(tmp_path, {**server, "steps": steps})
     restored = restored_tokens(log_b)
     assert len(restored) == 1, log_b[-4000:]  # the other tenant's request found nothing it could use
     assert restored[0] >= 1000  # server B restored what server A stored
