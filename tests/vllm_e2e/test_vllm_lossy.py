@@ -31,13 +31,12 @@ def test_lossy_restore_against_vllm_prefix_cache(model, tmp_path) -> None:
     warm, step = {"prompt_file": str(PROMPT)}, {"prompt_file": str(PROMPT), "suffix": SUFFIX}
     (_, reference), _ = run_vllm(
         tmp_path, {"model": str(model), "store": None, "prefix_caching": True, "max_tokens": MAX_TOKENS, "steps": [warm, step]},
-        multiprocessing=True,
     )
     assert reference["vllm_cached_tokens"] >= 1000  # the reference reused vLLM's own prefix cache
 
     store_url = f"file://{tmp_path / 'store'}"
     connector = {"model": str(model), "store": store_url, "recipe": RECIPE, "max_tokens": MAX_TOKENS}
-    _, log = run_vllm(tmp_path, {**connector, "steps": [warm]}, multiprocessing=False)
+    _, log = run_vllm(tmp_path, {**connector, "steps": [warm]})
     assert "(lossy: restored prefixes are approximations)" in log
     store = open_store(store_url)
     entries = [store.get(key) for key in store.keys()]
@@ -47,7 +46,7 @@ def test_lossy_restore_against_vllm_prefix_cache(model, tmp_path) -> None:
             assert reader.recipe.spec() == RECIPE and reader.lossy is not None
     store.close()
 
-    (restored_run,), log = run_vllm(tmp_path, {**connector, "steps": [step]}, multiprocessing=False)
+    (restored_run,), log = run_vllm(tmp_path, {**connector, "steps": [step]})
     restored = restored_tokens(log)
     assert restored and restored[0] >= 1000, log[-4000:]
 
