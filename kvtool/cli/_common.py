@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -10,36 +11,115 @@ from typing import Any
 
 import typer
 from tqdm import tqdm
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from kvtool.errors import UsageError
 from kvtool.fileio import check_regular
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 
+#: Set by the global ``-q``: no success summaries, progress bars or warnings.
+_quiet = False
+
+
+def set_quiet(value: bool) -> None:
+    global _quiet
+    _quiet = value
+
+
+def setup_logging(level: int) -> None:
+    """Log kvtool's messages to stderr at ``level`` as ``kvtool: LEVEL logger: message``.
+
+    The handler sits on the ``kvtool`` logger (replaced, not added again, when the app runs
+    twice in one process), so an application that embeds kvtool keeps its own logging setup.
+    """
+    logger = logging.getLogger("kvtool")
+    for handler in [h for h in logger.handlers if getattr(h, "kvtool_cli", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.kvtool_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("kvtool: %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
 
 def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """A plain aligned text table; numbers right-aligned."""
-    cells = [[_fmt(row.get(col, "")) for col in columns] for row in rows]
-    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
-    numeric = [all(isinstance(row.get(col), (int, float)) for row in rows) for col in columns]
+def report(data: dict[str, Any], line: str, json_out: bool) -> None:
+    """A command's result: ``data`` as JSON with ``--json``, else ``line`` (unless ``-q``)."""
+    if json_out:
+        print_json(data)
+    elif not _quiet:
+        typer.echo(line)
 
-    def line(values):
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain aligned text table: text left-aligned; numbers right-aligned, with as many
+    decimals as the column's largest value leaves room for (3 below 10, 1 below 1000, else 0),
+    so that a column's decimal points line up."""
+    numeric = [any(_is_number(row.get(col)) for row in rows) for col in columns]
+    decimals = [_decimals([row.get(col) for row in rows]) for col in columns]
+    cells = [[_cell(row.get(col, ""), d) for col, d in zip(columns, decimals)] for row in rows]
+    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
+
+    def line(values: list[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
-    typer.echo(line(columns))
-    for r in cells:
-        typer.echo(line(r))
+    return "\n".join([line(columns)] + [line(r) for r in cells])
 
 
-def _fmt(value: Any) -> str:
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    typer.echo(format_table(rows, columns))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _decimals(values: list[Any]) -> int:
+    floats = [abs(v) for v in values if isinstance(v, float)]
+    largest = max(floats, default=0.0)
+    return 3 if largest < 10 else 1 if largest < 1000 else 0
+
+
+def _cell(value: Any, decimals: int) -> str:
+    if value is None:
+        return ""
     if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+        return f"{value:.{decimals}f}"
     return str(value)
+
+
+class _HelpFixes:
+    """Help text that reads as the code does: no ``<bool>`` type beside a flag, arguments
+    named in capitals (``SRC DST``), the same in the usage line."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if param.param_type_name == "option" and (getattr(param, "is_flag", False) or getattr(param, "count", False)):
+                param.metavar = ""
+            elif param.param_type_name == "argument" and param.metavar is None:
+                param.metavar = param.name.upper()
+        return params
+
+
+class Command(_HelpFixes, TyperCommand):
+    """Every kvtool command: ``app.command(name, cls=Command)``."""
+
+    def collect_usage_pieces(self, ctx):
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
+class Group(_HelpFixes, TyperGroup):
+    """Every kvtool command group: ``typer.Typer(cls=Group)``."""
 
 
 def existing_file(path: Path) -> Path:
@@ -58,11 +138,11 @@ def distinct_output(src: Path, dst: Path) -> Path:
 
 
 def progress(**kwargs) -> tqdm:
-    """A tqdm bar on stderr that stays silent when stderr is not a terminal."""
-    return tqdm(file=sys.stderr, disable=None, dynamic_ncols=True, **kwargs)
+    """A tqdm bar on stderr that stays silent when stderr is not a terminal, or with ``-q``."""
+    return tqdm(file=sys.stderr, disable=True if _quiet else None, dynamic_ncols=True, **kwargs)
 
 
-class DefaultCommandGroup(TyperGroup):
+class DefaultCommandGroup(Group):
     """A command group whose arguments go to a default command unless they start with a command name.
 
     ``kvtool bench samples/*.safetensors`` runs the default command as

@@ -14,7 +14,7 @@ from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
 from kvtool.bench.report import CSV_COLUMNS, csv_rows, format_table, headline, limits_line, table_rows
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, progress
+from kvtool.cli._common import Command, JSON_OPTION, existing_file, print_json, progress
 from kvtool.container import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.recipe import Recipe
@@ -102,6 +102,6 @@ def register(app: typer.Typer) -> None:
         "`kvtool bench ttft` measures time to first token, restoring vs recomputing.",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
-    group.command("compression")(bench)
-    group.command("ttft")(ttft)
+    group.command("compression", cls=Command)(bench)
+    group.command("ttft", cls=Command)(ttft)
     app.add_typer(group, name="bench")

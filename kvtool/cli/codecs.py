@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvtool.cli._common import JSON_OPTION, print_json, print_table
+from kvtool.cli._common import Command, JSON_OPTION, print_json, print_table
 from kvtool.codecs import registry
 from kvtool.errors import KvtoolError
 
@@ -35,4 +35,4 @@ def codecs(json_out: bool = JSON_OPTION):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("codecs")(codecs)
+    app.command("codecs", cls=Command)(codecs)

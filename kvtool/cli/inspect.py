@@ -10,7 +10,7 @@ import typer
 
 from kvtool import container, stats
 from kvtool.cache import KVCache
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
+from kvtool.cli._common import Command, JSON_OPTION, existing_file, print_json, print_table
 from kvtool.units import format_size
 
 PATTERN_HELP = "Tensor-name pattern of a cache from another tool, e.g. 'model.layers.{layer}.self_attn.{k|v}'."
@@ -157,4 +157,4 @@ def print_kvz_report(report: dict[str, Any]) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("inspect")(inspect)
+    app.command("inspect", cls=Command)(inspect)

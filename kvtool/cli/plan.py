@@ -9,14 +9,14 @@ from typing import List, Optional
 import typer
 
 from kvtool import plan as model
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
+from kvtool.cli._common import Command, JSON_OPTION, existing_file, print_json, print_table
 from kvtool.errors import UsageError
 
 GB = 1e9
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    app.command("plan", cls=Command)(plan)
 
 
 def plan(

@@ -20,7 +20,7 @@ import typer
 from safetensors import safe_open
 
 from kvtool.cache import KVCache, dtype_of, parse_metadata
-from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json, progress
+from kvtool.cli._common import Command, JSON_OPTION, distinct_output, existing_file, print_json, progress
 from kvtool.cli.inspect import PATTERN_HELP
 from kvtool.errors import DecodeError, KvtoolError, UsageError
 from kvtool.fileio import atomic_write, check_regular
@@ -144,4 +144,4 @@ def _restore_tensor(f, names: set[str], chain: LayoutChain, base: str, original:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("reorder")(reorder)
+    app.command("reorder", cls=Command)(reorder)

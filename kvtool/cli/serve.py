@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from kvtool.cli._common import Command
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.server.auth import DEFAULT_LISTEN, TOKEN_ENV, default_token_file, load_token
 from kvtool.store import TieredStore, open_store
@@ -88,4 +89,4 @@ def _parse_defaults(text: str | None, known: set[str]) -> dict:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve", cls=Command)(serve)
