@@ -27,20 +27,37 @@ def set_quiet(value: bool) -> None:
     _quiet = value
 
 
-def setup_logging(level: int) -> None:
-    """Log kvtool's messages to stderr at ``level`` as ``kvtool: LEVEL logger: message``.
+def setup_logging(level: int | str, *loggers: str) -> None:
+    """Log kvtool's messages (and those of ``loggers``) to stderr at ``level``, as
+    ``kvtool: LEVEL logger: message``.
 
-    The handler sits on the ``kvtool`` logger (replaced, not added again, when the app runs
-    twice in one process), so an application that embeds kvtool keeps its own logging setup.
+    The handler sits on the ``kvtool`` logger, not the root, so an application that embeds
+    kvtool keeps its own logging setup; it is replaced, not added again, when the app runs
+    twice in one process, and writes to whatever ``sys.stderr`` is when a message comes.
     """
-    logger = logging.getLogger("kvtool")
-    for handler in [h for h in logger.handlers if getattr(h, "kvtool_cli", False)]:
-        logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.kvtool_cli = True  # type: ignore[attr-defined]
-    handler.setFormatter(logging.Formatter("kvtool: %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level)
+    for name in ("kvtool", *loggers):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
+            logger.removeHandler(handler)
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("kvtool: %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(level)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A handler on the current ``sys.stderr`` (a test runner swaps it between runs)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
 
 
 def print_json(data: Any) -> None:
@@ -60,7 +77,7 @@ def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     decimals as the column's largest value leaves room for (3 below 10, 1 below 1000, else 0),
     so that a column's decimal points line up."""
     numeric = [any(_is_number(row.get(col)) for row in rows) for col in columns]
-    decimals = [_decimals([row.get(col) for row in rows]) for col in columns]
+    decimals = [decimals_for([row.get(col) for row in rows]) for col in columns]
     cells = [[_cell(row.get(col, ""), d) for col, d in zip(columns, decimals)] for row in rows]
     widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
 
@@ -78,7 +95,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _decimals(values: list[Any]) -> int:
+def decimals_for(values: list[Any]) -> int:
+    """Decimals to show a column's floats with: 3 below 10, 1 below 1000, else 0."""
     floats = [abs(v) for v in values if isinstance(v, float)]
     largest = max(floats, default=0.0)
     return 3 if largest < 10 else 1 if largest < 1000 else 0
@@ -122,6 +140,21 @@ class Group(_HelpFixes, TyperGroup):
     """Every kvtool command group: ``typer.Typer(cls=Group)``."""
 
 
+#: ``kvtool.format`` of a file written by ``kvtool reorder --layout``.
+REORDERED_TAG = "kvcache-reordered/1"
+
+
+def safetensors_format(path: Path) -> str | None:
+    """The ``kvtool.format`` tag of a safetensors file; None when it has none or is not safetensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return (f.metadata() or {}).get("kvtool.format")
+    except Exception:  # safetensors raises its own types; the caller's reader reports the damage
+        return None
+
+
 def existing_file(path: Path) -> Path:
     """``path``, after checking that it is a regular file (a FIFO or a device would block or never end)."""
     if not path.exists():
@@ -151,6 +184,13 @@ class DefaultCommandGroup(Group):
     """
 
     default_command = "compression"
+
+    def format_help(self, ctx, formatter):
+        """The group's help, then the default command's, whose options ``kvtool bench FILE...`` takes."""
+        super().format_help(ctx, formatter)
+        command = self.commands.get(self.default_command)
+        if command is not None:
+            command.format_help(type(ctx)(command, info_name=self.default_command, parent=ctx), formatter)
 
     def parse_args(self, ctx, args):
         if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):

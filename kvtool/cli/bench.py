@@ -13,8 +13,8 @@ import kvtool
 from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
-from kvtool.bench.report import CSV_COLUMNS, csv_rows, format_table, headline, limits_line, table_rows
-from kvtool.cli._common import Command, JSON_OPTION, existing_file, print_json, progress
+from kvtool.bench.report import CSV_COLUMNS, csv_rows, headline, legend, limits_line, table_rows
+from kvtool.cli._common import JSON_OPTION, Command, existing_file, format_table, print_json, progress
 from kvtool.container import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.recipe import Recipe
@@ -90,6 +90,9 @@ def _print_tables(report) -> None:
         typer.echo(headline(file))
         typer.echo(limits_line(file))
         typer.echo(format_table(*table_rows(file, s["threads"])))
+    typer.echo("")
+    for line in legend(s["threads"]):
+        typer.echo(line)
 
 
 def register(app: typer.Typer) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvtool.cli._common import Command, JSON_OPTION, print_json, print_table
+from kvtool.cli._common import JSON_OPTION, Command, print_json, print_table
 from kvtool.codecs import registry
 from kvtool.errors import KvtoolError
 

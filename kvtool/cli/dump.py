@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from kvtool.cache import KVCache, ModelFacts
-from kvtool.cli._common import Command, JSON_OPTION, distinct_output, existing_file, print_json
+from kvtool.cli._common import JSON_OPTION, Command, distinct_output, existing_file, print_json
 from kvtool.errors import UsageError
 from kvtool.sources import hf
 

@@ -15,7 +15,7 @@ import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
-from kvtool.cli._common import JSON_OPTION, Command, distinct_output, existing_file, print_json, progress, report
+from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, progress, report
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
@@ -177,10 +177,12 @@ def _not_a_kv_cache(path: Path) -> str | None:
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            tagged = (f.metadata() or {}).get("kvtool.format") == FORMAT_TAG
+            tag = (f.metadata() or {}).get("kvtool.format")
     except Exception as exc:  # safetensors raises its own types: a plain file, or a damaged one
         return f"not a readable safetensors file: {str(exc)[:120]}"
-    return None if tagged else "a safetensors file without kvtool's KV cache tag; --pattern reads other tools' dumps"
+    if tag == REORDERED_TAG:
+        return "a cache's planes written by `kvtool reorder`; `kvtool reorder SRC OUT --inverse` rebuilds the cache"
+    return None if tag == FORMAT_TAG else "a safetensors file without kvtool's KV cache tag; --pattern reads other tools' dumps"
 
 
 def _summary(src: Path, dst: Path, ratio: float | None, how: dict[str, Any], started: float, json_out: bool) -> None:

@@ -109,7 +109,7 @@ def _version(value: bool):
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="Log more: -v what kvtool does, -vv debugging detail."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, show_default=False, help="Log more: -v what kvtool does, -vv debugging detail."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and the results asked for: no summaries, progress bars or warnings."),
 ):
     """Keep LLM KV caches instead of recomputing them."""
