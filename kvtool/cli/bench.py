@@ -9,7 +9,6 @@ from typing import List, Optional
 
 import typer
 
-import kvtool
 from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
@@ -17,21 +16,21 @@ from kvtool.bench.report import CSV_COLUMNS, csv_rows, headline, legend, limits_
 from kvtool.cli._common import JSON_OPTION, Command, existing_file, format_table, print_json, progress
 from kvtool.container import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
+from kvtool.paths import source_checkout
 from kvtool.recipe import Recipe
 
-#: The committed sample caches, found beside the package in a source checkout.
-SAMPLES = Path(kvtool.__file__).resolve().parents[1] / "samples"
-
-
 def sample_files() -> list[Path]:
-    files = sorted(SAMPLES.glob("*.safetensors"))
+    """The committed sample caches, the default when kvtool runs from a source checkout."""
+    checkout = source_checkout()
+    files = sorted((checkout / "samples").glob("*.safetensors")) if checkout else []
     if not files:
-        raise UsageError(f"no FILE given and no sample caches in {SAMPLES}; name the caches to measure")
+        raise UsageError("no FILE given: name the KV caches (safetensors) to measure; "
+                         "the repository's samples/*.safetensors are two")
     return files
 
 
 def bench(
-    files: Optional[List[Path]] = typer.Argument(None, help="KV caches (safetensors); default: the committed samples."),
+    files: Optional[List[Path]] = typer.Argument(None, help="KV caches (safetensors); default, in a source checkout: samples/*.safetensors."),
     recipes: Optional[List[str]] = typer.Option(
         None, "--recipes", "-r", help="Recipes to measure (repeat the option, or space-separate them); default: a quick set."
     ),

@@ -30,8 +30,9 @@ def codecs(json_out: bool = JSON_OPTION):
         print_json(rows)
         return
     for row in rows:
-        row["status"] = "available" if row["available"] else "unavailable: " + row["reason"]
-    print_table(rows, ["id", "status", "implementation"])
+        row["status"] = "available" if row["available"] else "unavailable"
+        row["runs on (or why not)"] = row["implementation"] if row["available"] else row["reason"]
+    print_table(rows, ["id", "status", "runs on (or why not)"])
 
 
 def register(app: typer.Typer) -> None:
