@@ -142,8 +142,8 @@ def test_store_put_reports_and_ls_shows_the_tokens_of_a_kvz(samples, tmp_path):
     kvz, url = tmp_path / "c.kvz", f"file://{tmp_path}/store"
     assert run("compress", samples[0], kvz).exit_code == 0
     put = json.loads(run("store", "put", "s1", kvz, "--store", url, "--json").stdout)
-    assert (put["key"], put["bytes"], put["tokens"], put["tier"]) == ("s1", kvz.stat().st_size, 256, "file")
-    assert "stored 's2': 5 B" in run("store", "put", "s2", "-", "--store", url, input=b"plain").stdout
+    assert (put["key"], put["bytes"], put["tokens"], put["store"]) == ("s1", kvz.stat().st_size, 256, url)
+    assert f"stored 's2' in {url}: 5 B" in run("store", "put", "s2", "-", "--store", url, input=b"plain").stdout
     rows = {r["key"]: r for r in json.loads(run("store", "ls", "--json", "--store", url).stdout)}
     assert (rows["s1"]["tokens"], rows["s2"]["tokens"]) == (256, None)
     table = run("store", "ls", "--store", url).stdout.splitlines()

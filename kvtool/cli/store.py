@@ -91,12 +91,11 @@ def put(
     with _open(store) as s:
         if not s.put(key, data, {} if tokens is None else {"tokens": tokens}):
             raise KvtoolError(f"{key!r} was not stored in {s.describe()} (the reason is logged above)")
-        tier = s.tier_of(key) if isinstance(s, TieredStore) else s.name
         where = s.describe()
     seconds = time.perf_counter() - started
     held = "" if tokens is None else f", {tokens} tokens"
-    report({"key": key, "bytes": len(data), "tokens": tokens, "tier": tier, "store": where, "seconds": round(seconds, 3)},
-           f"stored {key!r}: {format_size(len(data))}{held} in tier {tier} of {where} in {seconds:.2f} s", json_out)
+    report({"key": key, "bytes": len(data), "tokens": tokens, "store": where, "seconds": round(seconds, 3)},
+           f"stored {key!r} in {where}: {format_size(len(data))}{held} in {seconds:.2f} s", json_out)
 
 
 def kvz_tokens(value: bytes) -> int | None:
