@@ -86,8 +86,15 @@ def test_bench_help_shows_the_compression_options():
 def test_shell_completion_is_offered():
     text = run("--help", env=WIDE).output
     assert "--install-completion" in text and "--show-completion" in text
-    script = subprocess.run([sys.executable, "-m", "kvtool", "--show-completion", "bash"], capture_output=True, text=True)
-    assert script.returncode == 0 and "_KVTOOL_COMPLETE" in script.stdout.upper()
+    script = python("from kvtool.cli import main; main()", _KVTOOL_COMPLETE="source_bash")
+    assert "_kvtool_completion" in script and "complete_bash" in script
+
+    def complete(words: str) -> list[str]:  # what the bash script asks kvtool for
+        return python("from kvtool.cli import main; main()", _KVTOOL_COMPLETE="complete_bash",
+                      COMP_WORDS=words, COMP_CWORD=str(len(words.split()) - 1)).split()
+
+    assert complete("kvtool comp") == ["compress"]  # from the command table, before any command module loads
+    assert set(complete("kvtool store p")) == {"put", "pin", "prefetch"}
 
 
 # --- global options -----------------------------------------------------------------------------

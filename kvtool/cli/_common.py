@@ -64,7 +64,7 @@ def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-def report(data: dict[str, Any], line: str, json_out: bool) -> None:
+def print_result(data: dict[str, Any], line: str, json_out: bool) -> None:
     """A command's result: ``data`` as JSON with ``--json``, else ``line`` (unless ``-q``)."""
     if json_out:
         print_json(data)

@@ -15,7 +15,7 @@ import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
-from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, progress, report
+from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
@@ -191,7 +191,7 @@ def _summary(src: Path, dst: Path, ratio: float | None, how: dict[str, Any], sta
     data = {"in": str(src), "out": str(dst), "in_bytes": in_bytes, "out_bytes": out_bytes,
             "ratio": None if ratio is None else round(ratio, 4), **how, "seconds": round(seconds, 3)}
     facts = ([] if ratio is None else [f"ratio {ratio:.3f}"]) + [f"{k} {_show(v)}" for k, v in how.items()]
-    report(data, f"{src} -> {dst}: {format_size(in_bytes)} -> {format_size(out_bytes)} "
+    print_result(data, f"{src} -> {dst}: {format_size(in_bytes)} -> {format_size(out_bytes)} "
                  f"({', '.join(facts)}) in {seconds:.2f} s", json_out)
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from kvtool.cli._common import JSON_OPTION, Command, Group, existing_file, print_json, print_table, report
+from kvtool.cli._common import JSON_OPTION, Command, Group, existing_file, print_json, print_result, print_table
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.store import Store, TieredStore, open_store
@@ -94,7 +94,7 @@ def put(
         where = s.describe()
     seconds = time.perf_counter() - started
     held = "" if tokens is None else f", {tokens} tokens"
-    report({"key": key, "bytes": len(data), "tokens": tokens, "store": where, "seconds": round(seconds, 3)},
+    print_result({"key": key, "bytes": len(data), "tokens": tokens, "store": where, "seconds": round(seconds, 3)},
            f"stored {key!r} in {where}: {format_size(len(data))}{held} in {seconds:.2f} s", json_out)
 
 
