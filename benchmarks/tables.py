@@ -44,14 +44,16 @@ def tables(report: dict, name: str) -> list[str]:
         lines.append(f"| recipe | ratio | K | V | c MB/s | c {n}t | d MB/s | d {n}t | c/zstd:3 | d/zstd:3 | c/lz4 | d/lz4 | CPU s/GB c / d |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         ok = {r["recipe"]: r for r in file["results"] if r["status"] == "ok"}
-        zstd, lz4 = ok.get("zstd:3"), ok.get("lz4")
+        zstd = ok.get("zstd:3") or ok.get("peer: zstd:3 frame")
+        lz4 = ok.get("lz4") or ok.get("peer: lz4 frame")
         for r in file["results"]:
             if r["status"] != "ok":
                 lines.append(f"| `{esc(r['recipe'])}` | {r['status']}: {r['reason']} |||||||||||| ")
                 continue
             c, d = r["compress_mbps"], r["decompress_mbps"]
+            k, v = (f"{r['by_kind'][kind]:.3f}" if kind in r["by_kind"] else "" for kind in "kv")  # peers: whole blocks
             lines.append(
-                f"| `{esc(r['recipe'])}` | {r['ratio']:.4f} | {r['by_kind']['k']:.3f} | {r['by_kind']['v']:.3f} "
+                f"| `{esc(r['recipe'])}` | {r['ratio']:.4f} | {k} | {v} "
                 f"| {c['1']:.0f} | {c.get(n, c['1']):.0f} | {d['1']:.0f} | {d.get(n, d['1']):.0f} "
                 f"| {speed_vs(r, zstd, 'compress_mbps')} | {speed_vs(r, zstd, 'decompress_mbps')} "
                 f"| {speed_vs(r, lz4, 'compress_mbps')} | {speed_vs(r, lz4, 'decompress_mbps')} "
