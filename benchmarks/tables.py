@@ -14,6 +14,8 @@ LIMITS = {
     "byte_planes": "byte planes",
     "sign_exp_per_channel": "sign+exp per channel, mantissa raw",
     "fields_per_channel": "every field per channel",
+    "sign_level_per_channel": "sign+exp+top mantissa bit per channel",
+    "sign_level_context": "the same in ctxans's 16 contexts",
 }
 
 
@@ -37,9 +39,9 @@ def tables(report: dict, name: str) -> list[str]:
     for file in report["files"]:
         limits = file["limits"]
         lines.append(f"**{Path(file['path']).name}** ({file['dtype']}, {file['tokens']} tokens, "
-                     f"{file['raw_bytes'] / 1e6:.1f} MB). Order-0 limits, all / K / V: "
+                     f"{file['raw_bytes'] / 1e6:.1f} MB). Entropy limits (models free), all / K / V: "
                      + "; ".join(f"{label} {limits['all'][key]:.3f} / {limits['k'][key]:.3f} / {limits['v'][key]:.3f}"
-                                 for key, label in LIMITS.items() if limits["all"][key]))
+                                 for key, label in LIMITS.items() if limits["all"].get(key)))
         lines.append("")
         lines.append(f"| recipe | ratio | K | V | c MB/s | c {n}t | d MB/s | d {n}t | c/zstd:3 | d/zstd:3 | c/lz4 | d/lz4 | CPU s/GB c / d |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

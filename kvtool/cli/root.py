@@ -29,6 +29,7 @@ COMMANDS = {
     "plan": "plan",
     "store": "store",
     "serve": "serve",
+    "train": "train",
     "dump": "dump",
     "import": "dump",
     "convert-model": "dump",

@@ -25,6 +25,7 @@ registry: Registry[type[Codec]] = Registry(
         "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),
         "rans": ("kvtool.codecs.rans:RansCodec", "rans"),
         "exphuff": "kvtool.codecs.exphuff:ExpHuffCodec",
+        "ctxans": "kvtool.codecs.ctxans:CtxAnsCodec",
     },
 )
 
