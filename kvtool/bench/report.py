@@ -38,7 +38,7 @@ WINNER = "*"
 def legend(threads: int) -> list[str]:
     """What the table's columns mean, printed under the tables."""
     return [
-        f"{WINNER} the best ratio for that file. ratio: original bytes / stored bytes (higher is better); "
+        f"{WINNER} the best lossless ratio for that file. ratio: original bytes / stored bytes (higher is better); "
         "K, V: the same for keys and for values alone.",
         f"% limit: ratio as a share of the order-0 entropy limit with {LABELS[HEADLINE_LIMIT]} (100 = that limit).",
         f"comp/dec MB/s: MB (10^6 bytes) of original data per second on 1 thread; comp/dec {threads}t: on {threads} threads.",
@@ -55,16 +55,16 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
     reference = next((r for r in file.results if r.recipe == REFERENCE and r.status == OK), None)
     columns = ["recipe", "ratio", "% limit", "K", "V", "comp MB/s", f"comp {n}t", "dec MB/s", f"dec {n}t",
                "vs zstd:3", "cpu s/GB c", "cpu s/GB d", "planes"]
-    best = max((r.ratio for r in file.results if r.status == OK), default=None)
+    best = max((r.ratio for r in file.results if r.status == OK and not r.lossy), default=None)  # lossless
     rows = []
     for r in file.results:
         if r.status != OK:
             rows.append({"recipe": r.recipe, "planes": f"{r.status}: {r.reason}"})
             continue
         rows.append({
-            "recipe": f"{r.recipe} {WINNER}" if r.ratio == best else r.recipe,
+            "recipe": f"{label(r)} {WINNER}" if r.ratio == best else label(r),
             "ratio": r.ratio,
-            "% limit": round(100 * r.ratio / limit, 1) if limit else "",
+            "% limit": round(100 * r.ratio / limit, 1) if limit and not r.lossy else "",  # a lossless limit
             "K": r.by_kind.get("k", ""),
             "V": r.by_kind.get("v", ""),
             "comp MB/s": r.compress_mbps["1"],
@@ -79,8 +79,13 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
     return rows, columns
 
 
+def label(result: Result) -> str:
+    """A result's recipe as tables and plots show it: a lossy one says so."""
+    return f"{result.recipe} (lossy)" if result.lossy else result.recipe
+
+
 CSV_COLUMNS = [
-    "file", "dtype", "tokens", "recipe", "status", "reason", "raw_bytes", "stored_bytes", "ratio", "ratio_k", "ratio_v",
+    "file", "dtype", "tokens", "recipe", "lossy", "status", "reason", "raw_bytes", "stored_bytes", "ratio", "ratio_k", "ratio_v",
     "compress_mbps_1t", "compress_mbps_nt", "decompress_mbps_1t", "decompress_mbps_nt", "threads",
     "compress_cpu_s_per_gb", "decompress_cpu_s_per_gb", *(f"limit_{name}" for name in LIMITS),
 ]
@@ -94,7 +99,7 @@ def csv_rows(report: Report) -> list[dict[str, Any]]:
         for r in file.results:
             rows.append({
                 "file": file.path, "dtype": file.dtype, "tokens": file.tokens,
-                "recipe": r.recipe, "status": r.status, "reason": r.reason,
+                "recipe": r.recipe, "lossy": r.lossy, "status": r.status, "reason": r.reason,
                 "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes, "ratio": r.ratio,
                 "ratio_k": r.by_kind.get("k"), "ratio_v": r.by_kind.get("v"),
                 "compress_mbps_1t": r.compress_mbps.get("1"), "compress_mbps_nt": _at(r, "compress_mbps", n),

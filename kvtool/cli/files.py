@@ -16,6 +16,7 @@ import typer
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
+from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
@@ -37,7 +38,8 @@ def compress(
     src: Path = typer.Argument(..., help="A KV cache (.safetensors) or any file."),
     dst: Path = typer.Argument(..., help="Output: a .kvz for a KV cache, a plain codec stream otherwise."),
     recipe: Optional[str] = typer.Option(
-        None, "--recipe", "-r", show_default=DEFAULT_RECIPE, help="Recipe for a KV cache, e.g. 'byteplane|zstd:1'."
+        None, "--recipe", "-r", show_default=DEFAULT_RECIPE,
+        help="Recipe for a KV cache, e.g. 'byteplane|zstd:1'; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
     ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
     chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
@@ -66,6 +68,9 @@ def compress(
     parsed = Recipe.parse(recipe or DEFAULT_RECIPE)
     _require_available(parsed.codec, *parsed.plane_codecs.values())
     api.save(cache, dst, parsed, chunk_tokens=chunk_tokens, threads=threads or None, progress=True)
+    if parsed.lossy:
+        with container.open_kvz(dst) as reader:
+            typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
     _summary(src, dst, cache.nbytes / max(dst.stat().st_size, 1), {"recipe": parsed.spec()}, started, json_out)
 
 
@@ -79,7 +84,7 @@ def decompress(
     max_size: str = MAX_SIZE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
-    """Decompress a .kvz back into a safetensors cache (bit-exact), or a plain stream into its bytes."""
+    """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
     started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
@@ -88,6 +93,9 @@ def decompress(
         with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             check_token_range(selected_tokens, reader.num_tokens)
             cache = reader.read(selected_layers, selected_tokens, threads or None, on_progress=bar.update)
+        if reader.lossy:  # the written cache keeps saying what it is
+            cache.provenance["lossy_recipe"] = reader.recipe.spec()
+            typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
         cache.save(dst)
         if layers or tokens:  # a part of the file: its ratio says nothing
             selection = {"layers": cache.layer_ids, "tokens": _token_text(selected_tokens, cache.num_tokens)}
@@ -117,11 +125,12 @@ def verify(
     existing_file(src)
     with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
-        report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full}
+        report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
+        note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""
     if json_out:
         print_json(report)
     else:
-        typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}")
+        typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}{note}")
 
 
 def parse_layers(text: str | None) -> list[int] | None:
