@@ -179,7 +179,7 @@ def test_bench_marks_the_best_ratio_and_explains_its_columns(samples, tmp_path):
     text = run(*args).stdout
     rows = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in ratios}
     assert rows[best].split()[1] == "*" and "*" not in rows[min(ratios, key=ratios.get)]
-    for term in ("% limit:", "vs zstd:3:", "cpu s/GB c, d:", "planes:", "the best ratio"):
+    for term in ("% limit:", "vs zstd:3:", "cpu s/GB c, d:", "planes:", "the best lossless ratio"):
         assert term in text
 
 
