@@ -30,12 +30,6 @@ def byte_entropy(data: np.ndarray | bytes) -> float:
     return float(entropy_of_counts(np.bincount(raw, minlength=256)))
 
 
-def u16_entropy(values: np.ndarray) -> float:
-    """Order-0 entropy of 16-bit values (bf16/fp16 bit patterns), bits per value."""
-    bits = np.ascontiguousarray(values).reshape(-1).view(np.uint16)
-    return float(entropy_of_counts(np.bincount(bits, minlength=1 << 16)))
-
-
 def byte_plane_entropies(array: np.ndarray) -> list[float]:
     """The order-0 entropy of each byte plane of an array's elements, most significant byte first."""
     bits = np.ascontiguousarray(array).view(f"u{array.itemsize}")

@@ -5,13 +5,17 @@
 # 2. The distribution packages it (Debian 13, Ubuntu 24.04): apt-get install libqatzip3.
 # 3. Otherwise (e.g. Debian 12): download Debian 13's libqatzip3, libqat4 and libusdm0
 #    with a private apt state (the system's apt sources and state are left untouched)
-#    and unpack them into <repo>/.local/qatzip, where kvtool looks for them.
+#    and unpack them into $XDG_DATA_HOME/kvtool/qatzip (~/.local/share/kvtool/qatzip),
+#    where kvtool looks for them, installed or run from a checkout. A checkout's
+#    .local/qatzip, where this script unpacked them before, is still used.
 #    No system library is replaced; without QAT hardware QATzip runs its software fallback.
 #    KVTOOL_QATZIP_MIRROR and KVTOOL_QATZIP_SUITE override the Debian mirror and suite.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-dest="$repo/.local/qatzip"
+data_home=${XDG_DATA_HOME:-}
+[[ "$data_home" == /* ]] || data_home="$HOME/.local/share"
+dest="$data_home/kvtool/qatzip"
 packages=(libqatzip3 libqat4 libusdm0)
 suite=${KVTOOL_QATZIP_SUITE:-trixie}
 mirror=${KVTOOL_QATZIP_MIRROR:-http://deb.debian.org/debian}
@@ -24,7 +28,7 @@ if /sbin/ldconfig -p 2>/dev/null | grep -q 'libqatzip\.so\.3 '; then
     exit 0
 fi
 
-local_lib=$(ls "$dest"/usr/lib/*/libqatzip.so.3 2>/dev/null | head -n1 || true)
+local_lib=$(ls "$dest"/usr/lib/*/libqatzip.so.3 "$repo"/.local/qatzip/usr/lib/*/libqatzip.so.3 2>/dev/null | head -n1 || true)
 if [[ -n "$local_lib" ]]; then
     echo "install-qatzip: already unpacked at $local_lib; nothing to do"
     exit 0

@@ -31,22 +31,21 @@ def limits_line(file: FileReport) -> str:
     return "entropy limits (models free): " + " | ".join(parts)
 
 
-def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """Aligned columns: numbers right-aligned with 3 significant decimals at most, text left-aligned."""
-    cells = [[_cell(row.get(col, "")) for col in columns] for row in rows]
-    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
-    numeric = [any(isinstance(row.get(col), (int, float)) for row in rows) for col in columns]
-
-    def line(values: list[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    return "\n".join([line(columns)] + [line(r) for r in cells])
+#: Marks the recipe with the best ratio in a file's table.
+WINNER = "*"
 
 
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
-    return str(value)
+def legend(threads: int) -> list[str]:
+    """What the table's columns mean, printed under the tables."""
+    return [
+        f"{WINNER} the best lossless ratio for that file. ratio: original bytes / stored bytes (higher is better); "
+        "K, V: the same for keys and for values alone.",
+        f"% limit: ratio as a share of the order-0 entropy limit with {LABELS[HEADLINE_LIMIT]} (100 = that limit).",
+        f"comp/dec MB/s: MB (10^6 bytes) of original data per second on 1 thread; comp/dec {threads}t: on {threads} threads.",
+        f"vs {REFERENCE}: 1-thread compression speed relative to {REFERENCE} in the same run (2.00x = twice as fast).",
+        "cpu s/GB c, d: CPU seconds (all threads) per GB of original data to compress, to decompress, on 1 thread.",
+        "planes: ratio of each plane the recipe's layouts split the data into (hi/lo bytes, exponent, mantissa...).",
+    ]
 
 
 def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], list[str]]:
@@ -56,13 +55,14 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
     reference = next((r for r in file.results if r.recipe == REFERENCE and r.status == OK), None)
     columns = ["recipe", "ratio", "% limit", "K", "V", "comp MB/s", f"comp {n}t", "dec MB/s", f"dec {n}t",
                "vs zstd:3", "cpu s/GB c", "cpu s/GB d", "planes"]
+    best = max((r.ratio for r in file.results if r.status == OK and not r.lossy), default=None)  # lossless
     rows = []
     for r in file.results:
         if r.status != OK:
             rows.append({"recipe": r.recipe, "planes": f"{r.status}: {r.reason}"})
             continue
         rows.append({
-            "recipe": label(r),
+            "recipe": f"{label(r)} {WINNER}" if r.ratio == best else label(r),
             "ratio": r.ratio,
             "% limit": round(100 * r.ratio / limit, 1) if limit and not r.lossy else "",  # a lossless limit
             "K": r.by_kind.get("k", ""),

@@ -1,7 +1,7 @@
 """Multi-turn agent traces for the TTFT experiment, built from real text.
 
-Each turn appends a tool output and a user message to the conversation, so
-turn ``i``'s prompt is turn ``i-1``'s prompt plus new tokens. The hit rate is
+Each turn appends new tokens (a tool's output) to the conversation, so turn
+``i``'s prompt is turn ``i-1``'s prompt plus new tokens. The hit rate is
 the share of a turn's prompt that is a cached prefix: with hit rate ``h`` the
 prompt lengths grow geometrically (``n_i = n_{i-1} / h``) and the last turn is
 ``max_context`` tokens long. Turn 0's prefix stands for an earlier session
@@ -20,14 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtool.errors import UsageError
-
-TEXTS_DIR = Path(__file__).resolve().parents[2] / "samples" / "texts"
-USER_MESSAGES = (
-    "Summarise what the tool returned and decide the next step.",
-    "Check this output against the earlier one and list the differences.",
-    "Which part of this is relevant to the task? Quote it.",
-    "Continue with the plan; call the next tool if you need more context.",
-)
+from kvtool.paths import source_checkout
 
 
 @dataclass(frozen=True)
@@ -78,13 +71,11 @@ def build_trace(
     max_context: int = 4096,
     chunk_tokens: int = 128,
     seed: int = 0,
-    user_message_tokens: Sequence[Sequence[int]] = (),
 ) -> list[Turn]:
     """The turns of one agent session, their tokens drawn from ``token_pool`` (a tokenized real text).
 
-    Each turn's new tokens are a user message (one of ``user_message_tokens``,
-    if given) followed by a tool output: a run of the pool starting at a
-    seeded random offset, cut to fill the turn.
+    Each turn's new tokens stand for a tool output: runs of the pool starting at
+    seeded random offsets, cut to fill the turn.
     """
     plan = turn_lengths(turns, hit_rate, max_context, chunk_tokens)
     pool = list(token_pool)
@@ -102,16 +93,18 @@ def build_trace(
     tokens = draw(plan[0][1])  # the earlier session's context
     trace = []
     for index, (length, cached) in enumerate(plan):
-        need = length - len(tokens)
-        message = list(rng.choice(user_message_tokens))[:need] if user_message_tokens else []
-        tokens = tokens + message + draw(need - len(message))
+        tokens = tokens + draw(length - len(tokens))
         trace.append(Turn(index, list(tokens), cached))
     return trace
 
 
 def read_texts(folder: str | Path | None = None) -> str:
-    """The real texts the traces are cut from (``samples/texts`` by default), joined in name order."""
-    root = Path(folder) if folder else TEXTS_DIR
+    """The real texts the traces are cut from, joined in name order; by default, in a source
+    checkout, ``samples/texts``."""
+    checkout = source_checkout()
+    if folder is None and checkout is None:
+        raise UsageError("name a folder of real texts to cut the trace from (--texts)")
+    root = Path(folder) if folder is not None else checkout / "samples" / "texts"
     files = sorted(p for p in root.glob("*") if p.is_file())
     if not files:
         raise UsageError(f"no text files in {root}")

@@ -9,29 +9,28 @@ from typing import List, Optional
 
 import typer
 
-import kvtool
 from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
-from kvtool.bench.report import CSV_COLUMNS, csv_rows, format_table, headline, limits_line, table_rows
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, progress
+from kvtool.bench.report import CSV_COLUMNS, csv_rows, headline, legend, limits_line, table_rows
+from kvtool.cli._common import JSON_OPTION, Command, existing_file, format_table, print_json, progress
 from kvtool.container import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
+from kvtool.paths import source_checkout
 from kvtool.recipe import Recipe
 
-#: The committed sample caches, found beside the package in a source checkout.
-SAMPLES = Path(kvtool.__file__).resolve().parents[1] / "samples"
-
-
 def sample_files() -> list[Path]:
-    files = sorted(SAMPLES.glob("*.safetensors"))
+    """The committed sample caches, the default when kvtool runs from a source checkout."""
+    checkout = source_checkout()
+    files = sorted((checkout / "samples").glob("*.safetensors")) if checkout else []
     if not files:
-        raise UsageError(f"no FILE given and no sample caches in {SAMPLES}; name the caches to measure")
+        raise UsageError("no FILE given: name the KV caches (safetensors) to measure; "
+                         "the repository's samples/*.safetensors are two")
     return files
 
 
 def bench(
-    files: Optional[List[Path]] = typer.Argument(None, help="KV caches (safetensors); default: the committed samples."),
+    files: Optional[List[Path]] = typer.Argument(None, help="KV caches (safetensors); default, in a source checkout: samples/*.safetensors."),
     recipes: Optional[List[str]] = typer.Option(
         None, "--recipes", "-r", help="Recipes to measure (repeat the option, or space-separate them); default: a quick set."
     ),
@@ -90,6 +89,9 @@ def _print_tables(report) -> None:
         typer.echo(headline(file))
         typer.echo(limits_line(file))
         typer.echo(format_table(*table_rows(file, s["threads"])))
+    typer.echo("")
+    for line in legend(s["threads"]):
+        typer.echo(line)
 
 
 def register(app: typer.Typer) -> None:
@@ -104,7 +106,7 @@ def register(app: typer.Typer) -> None:
         "`kvtool bench accuracy` measures what lossy recipes cost the model.",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
-    group.command("compression")(bench)
-    group.command("ttft")(ttft)
-    group.command("accuracy")(accuracy)
+    group.command("compression", cls=Command)(bench)
+    group.command("ttft", cls=Command)(ttft)
+    group.command("accuracy", cls=Command)(accuracy)
     app.add_typer(group, name="bench")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvtool.cli._common import JSON_OPTION, print_json, print_table
+from kvtool.cli._common import JSON_OPTION, Command, print_json, print_table
 from kvtool.codecs import registry
 from kvtool.errors import KvtoolError
 
@@ -30,9 +30,10 @@ def codecs(json_out: bool = JSON_OPTION):
         print_json(rows)
         return
     for row in rows:
-        row["status"] = "available" if row["available"] else "unavailable: " + row["reason"]
-    print_table(rows, ["id", "status", "implementation"])
+        row["status"] = "available" if row["available"] else "unavailable"
+        row["runs on (or why not)"] = row["implementation"] if row["available"] else row["reason"]
+    print_table(rows, ["id", "status", "runs on (or why not)"])
 
 
 def register(app: typer.Typer) -> None:
-    app.command("codecs")(codecs)
+    app.command("codecs", cls=Command)(codecs)

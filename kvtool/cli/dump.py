@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from kvtool.cache import KVCache, ModelFacts
-from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json
+from kvtool.cli._common import JSON_OPTION, Command, distinct_output, existing_file, print_json
 from kvtool.errors import UsageError
 from kvtool.sources import hf
 
@@ -107,6 +107,6 @@ def convert_model(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("dump")(dump)
-    app.command("import")(import_cache)
-    app.command("convert-model")(convert_model)
+    app.command("dump", cls=Command)(dump)
+    app.command("import", cls=Command)(import_cache)
+    app.command("convert-model", cls=Command)(convert_model)

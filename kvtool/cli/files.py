@@ -7,23 +7,24 @@ read it (``gzip -d`` for qat and isal, ``zstd -d``, ``lz4 -d``).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
-from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json, progress
+from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
 from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
-from kvtool.units import parse_size
+from kvtool.units import format_size, parse_size
 
 PATTERN_OPTION = typer.Option(
-    None, "--pattern", help="Treat IN as a KV cache whose tensors are named like 'model.layers.{layer}.self_attn.{k|v}'."
+    None, "--pattern", help="Read SRC as a KV cache whose tensors are named like 'model.layers.{layer}.self_attn.{k|v}'."
 )
 THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, help="Worker threads (0: one per core).")
 MAX_SIZE_OPTION = typer.Option(
@@ -37,15 +38,17 @@ def compress(
     src: Path = typer.Argument(..., help="A KV cache (.safetensors) or any file."),
     dst: Path = typer.Argument(..., help="Output: a .kvz for a KV cache, a plain codec stream otherwise."),
     recipe: Optional[str] = typer.Option(
-        None, "--recipe", "-r",
-        help=f"Recipe for a KV cache [default: {DEFAULT_RECIPE}]; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
+        None, "--recipe", "-r", show_default=DEFAULT_RECIPE,
+        help="Recipe for a KV cache, e.g. 'byteplane|zstd:1'; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
     ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
     chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
     threads: int = THREADS_OPTION,
     pattern: Optional[str] = PATTERN_OPTION,
+    json_out: bool = JSON_OPTION,
 ):
     """Compress a KV cache into a .kvz, or any file into one codec stream."""
+    started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     if codec and recipe:
         raise UsageError("give --recipe (a .kvz of a KV cache) or --codec (a plain stream), not both")
@@ -59,6 +62,7 @@ def compress(
         if not codec and src.suffix == ".safetensors":
             typer.echo(f"kvtool: {src} is not a KV cache ({not_kv}); writing one plain zstd:3 stream", err=True)
         _compress_plain(src, dst, codec or "zstd:3")
+        _summary(src, dst, src.stat().st_size / max(dst.stat().st_size, 1), {"codec": codec or "zstd:3"}, started, json_out)
         return
     cache = api.load(src, pattern=pattern)
     parsed = Recipe.parse(recipe or DEFAULT_RECIPE)
@@ -67,6 +71,7 @@ def compress(
     if parsed.lossy:
         with container.open_kvz(dst) as reader:
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
+    _summary(src, dst, cache.nbytes / max(dst.stat().st_size, 1), {"recipe": parsed.spec()}, started, json_out)
 
 
 def decompress(
@@ -77,17 +82,26 @@ def decompress(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Only this token range of a .kvz, e.g. '0:128'."),
     threads: int = THREADS_OPTION,
     max_size: str = MAX_SIZE_OPTION,
+    json_out: bool = JSON_OPTION,
 ):
     """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
+    started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
     if container.is_kvz(src) and not codec:
+        selected_layers, selected_tokens = parse_layers(layers), parse_tokens(tokens)
         with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
-            cache = reader.read(parse_layers(layers), parse_tokens(tokens), threads or None, on_progress=bar.update)
+            check_token_range(selected_tokens, reader.num_tokens)
+            cache = reader.read(selected_layers, selected_tokens, threads or None, on_progress=bar.update)
         if reader.lossy:  # the written cache keeps saying what it is
             cache.provenance["lossy_recipe"] = reader.recipe.spec()
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
         cache.save(dst)
+        if layers or tokens:  # a part of the file: its ratio says nothing
+            selection = {"layers": cache.layer_ids, "tokens": _token_text(selected_tokens, cache.num_tokens)}
+            _summary(src, dst, None, selection, started, json_out)
+        else:
+            _summary(src, dst, cache.nbytes / max(src.stat().st_size, 1), {}, started, json_out)
         return
     if layers or tokens:
         raise UsageError("--layers and --tokens apply only to .kvz files")
@@ -98,6 +112,7 @@ def decompress(
     out = coder.decode(data, max_size=limit)
     with atomic_write(dst) as f:
         f.write(out)
+    _summary(src, dst, len(out) / max(len(data), 1), {"codec": coder.codec_id}, started, json_out)
 
 
 def verify(
@@ -140,16 +155,29 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 
 def parse_tokens(text: str | None) -> slice | None:
-    """``'0:128'``, ``':128'``, ``'256:'`` -> a slice."""
+    """``'0:128'``, ``':128'``, ``'256:'`` -> a slice of token positions, counted from the cache's first token."""
     if not text:
         return None
-    lo, colon, hi = text.partition(":")
-    try:
-        if not colon:
-            raise ValueError
-        return slice(int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
-    except ValueError:
-        raise UsageError(f"bad token range {text!r}; write e.g. '0:128'") from None
+    lo, colon, hi = (s.strip() for s in text.partition(":"))
+    if not colon or not all(not s or (s.isascii() and s.isdigit()) for s in (lo, hi)):
+        raise UsageError(f"bad token range {text[:80]!r}; write e.g. '0:128', ':128' or '256:' (positions from 0)")
+    start, stop = int(lo) if lo else None, int(hi) if hi else None
+    if start is not None and stop is not None and start >= stop:
+        raise UsageError(f"token range {text!r} is empty; write START:STOP with START below STOP")
+    return slice(start, stop)
+
+
+def check_token_range(tokens: slice | None, num_tokens: int) -> None:
+    """Refuse a token range that runs past the cache, rather than clip it silently."""
+    if tokens is None:
+        return
+    past = [n for n in (tokens.start, tokens.stop) if n is not None and n > num_tokens]
+    if past or (tokens.start is not None and tokens.start == num_tokens):
+        start = tokens.start or 0
+        raise UsageError(
+            f"--tokens {start}:{'' if tokens.stop is None else tokens.stop} runs past the cache, which holds "
+            f"{num_tokens} tokens; write e.g. '{min(start, max(num_tokens - 1, 0))}:{num_tokens}' or '{min(start, max(num_tokens - 1, 0))}:'"
+        )
 
 
 def _not_a_kv_cache(path: Path) -> str | None:
@@ -158,10 +186,31 @@ def _not_a_kv_cache(path: Path) -> str | None:
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            tagged = (f.metadata() or {}).get("kvtool.format") == FORMAT_TAG
+            tag = (f.metadata() or {}).get("kvtool.format")
     except Exception as exc:  # safetensors raises its own types: a plain file, or a damaged one
         return f"not a readable safetensors file: {str(exc)[:120]}"
-    return None if tagged else "a safetensors file without kvtool's KV cache tag; --pattern reads other tools' dumps"
+    if tag == REORDERED_TAG:
+        return "a cache's planes written by `kvtool reorder`; `kvtool reorder SRC OUT --inverse` rebuilds the cache"
+    return None if tag == FORMAT_TAG else "a safetensors file without kvtool's KV cache tag; --pattern reads other tools' dumps"
+
+
+def _summary(src: Path, dst: Path, ratio: float | None, how: dict[str, Any], started: float, json_out: bool) -> None:
+    """One line (or JSON) saying what was written: sizes, ratio, how, and the wall time."""
+    in_bytes, out_bytes, seconds = src.stat().st_size, dst.stat().st_size, time.perf_counter() - started
+    data = {"in": str(src), "out": str(dst), "in_bytes": in_bytes, "out_bytes": out_bytes,
+            "ratio": None if ratio is None else round(ratio, 4), **how, "seconds": round(seconds, 3)}
+    facts = ([] if ratio is None else [f"ratio {ratio:.3f}"]) + [f"{k} {_show(v)}" for k, v in how.items()]
+    print_result(data, f"{src} -> {dst}: {format_size(in_bytes)} -> {format_size(out_bytes)} "
+                 f"({', '.join(facts)}) in {seconds:.2f} s", json_out)
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _token_text(tokens: slice | None, count: int) -> str:
+    start = (tokens.start or 0) if tokens else 0
+    return f"{start}:{start + count}"
 
 
 def _compress_plain(src: Path, dst: Path, codec_spec: str) -> None:
@@ -180,6 +229,6 @@ def _require_available(*codecs) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("compress")(compress)
-    app.command("decompress")(decompress)
-    app.command("verify")(verify)
+    app.command("compress", cls=Command)(compress)
+    app.command("decompress", cls=Command)(decompress)
+    app.command("verify", cls=Command)(verify)

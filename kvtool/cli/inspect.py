@@ -10,7 +10,8 @@ import typer
 
 from kvtool import container, stats
 from kvtool.cache import KVCache
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
+from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, existing_file, print_json, print_table, safetensors_format
+from kvtool.errors import UsageError
 from kvtool.units import format_size
 
 PATTERN_HELP = "Tensor-name pattern of a cache from another tool, e.g. 'model.layers.{layer}.self_attn.{k|v}'."
@@ -21,8 +22,7 @@ def inspect(
     json_out: bool = JSON_OPTION,
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help=PATTERN_HELP),
 ):
-    """Show a cache's model, shape, dtype and provenance; for a raw cache the statistics of its
-    K and V values per layer, for a .kvz its recipe and compression ratios."""
+    """Show a cache's model, shape, dtype and provenance, and per layer its values' statistics (a raw cache) or compression ratios (a .kvz)."""
     report = file_report(existing_file(file), pattern)
     if json_out:
         print_json(report)
@@ -40,6 +40,11 @@ def file_report(path: Path, pattern: str | None) -> dict[str, Any]:
     if container.is_kvz(path):
         with container.open_kvz(path) as reader:
             return kvz_report(reader, path)
+    if pattern is None and safetensors_format(path) == REORDERED_TAG:
+        raise UsageError(
+            f"{path} holds a cache's planes as written by `kvtool reorder`, not a cache; "
+            f"`kvtool reorder {path} OUT.safetensors --inverse` rebuilds the cache"
+        )
     return raw_cache_report(KVCache.load(path, pattern=pattern), path)
 
 
@@ -210,4 +215,4 @@ def print_kvz_report(report: dict[str, Any]) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("inspect")(inspect)
+    app.command("inspect", cls=Command)(inspect)

@@ -9,14 +9,15 @@ from typing import List, Optional
 import typer
 
 from kvtool import plan as model
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
+from kvtool.cli._common import JSON_OPTION, Command, decimals_for, existing_file, print_json, print_table
 from kvtool.errors import UsageError
+from kvtool.units import format_size
 
 GB = 1e9
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    app.command("plan", cls=Command)(plan)
 
 
 def plan(
@@ -65,15 +66,45 @@ def plan(
     if json_out:
         print_json(report)
         return
-    typer.echo(f"{report['label']}; {shape.name}: {shape.bytes_per_token} bytes/token ({shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} x 2 x {model.DTYPE_BYTES[shape.dtype]} bytes)")
+    _print_report(report, shape, inputs, validate is not None)
+
+
+def _print_report(report: dict, shape: model.ModelShape, inputs: model.Inputs, validated: bool) -> None:
+    """The report as a few readable tables: one row per context and tier, one column per codec."""
     p = inputs.prefill
-    typer.echo(f"prefill: {p.a:.4g} + {p.b:.4g}*n + {p.c:.4g}*n^2 s; build {inputs.build_rate / GB:.2f} GB/s; sources: {inputs.sources}")
+    typer.echo(f"{report['label']}.")
+    typer.echo(f"{shape.name}: {format_size(shape.bytes_per_token)}/token ({shape.layers} layers x {shape.kv_heads} KV heads "
+               f"x {shape.head_dim} dims x K,V x {model.DTYPE_BYTES[shape.dtype]} bytes)")
+    typer.echo(f"prefill {p.a:.4g} + {p.b:.4g}*n + {p.c:.4g}*n^2 s; build {inputs.build_rate / GB:.2f} GB/s")
     typer.echo("tiers: " + ", ".join(f"{t.name} {t.bandwidth / GB:.2f} GB/s + {t.latency * 1e3:.2f} ms/entry" for t in inputs.tiers))
     typer.echo("codecs: " + ", ".join(f"{c.name} ratio {c.ratio:.3f}, decode {c.decode_rate / GB:.2f} GB/s" for c in inputs.codecs))
-    print_table(report["predictions"], ["context", "cached", "tier", "codec", "recompute_s", "ttft_restore_s", "speedup"])
-    print_table(report["break_even"], ["tier", "codec", "break_even_tokens"])
-    print_table(report["capacity"], ["codec", "context", "concurrency", "retained", "engine_bytes", "store_bytes"])
-    if validate:
+    typer.echo("inputs from: " + "; ".join(f"{what}: {source}" for what, source in inputs.sources.items()))
+    codecs = [c.name for c in inputs.codecs]
+    rows: dict[tuple, dict] = {}
+    places = decimals_for([r["ttft_restore_s"] for r in report["predictions"]])
+    for r in report["predictions"]:
+        row = rows.setdefault((r["context"], r["tier"]), {
+            "context": r["context"], "stored": r["cached"], "recompute s": r["recompute_s"], "tier": r["tier"]})
+        row[r["codec"]] = f"{r['ttft_restore_s']:.{places}f} s ({r['speedup']:.1f}x)"
+    typer.echo("")
+    typer.echo("Time to first token: recompute the whole prompt, or restore its stored part (speedup):")
+    print_table(list(rows.values()), ["context", "stored", "recompute s", "tier", *codecs])
+    breaks: dict[str, dict] = {}
+    for r in report["break_even"]:
+        breaks.setdefault(r["tier"], {"tier": r["tier"]})[r["codec"]] = r["break_even_tokens"]
+    typer.echo("")
+    typer.echo("Break-even: shortest stored prefix (tokens) that restores faster than it recomputes:")
+    print_table(list(breaks.values()), ["tier", *codecs])
+    if report["capacity"]:
+        first = report["capacity"][0]
+        typer.echo("")
+        typer.echo(f"KV bytes at {first['context']} tokens per session: {first['concurrency']} running in the engine, "
+                   f"{first['retained']} idle kept in the store:")
+        print_table([{"codec": c["codec"], "engine": format_size(c["engine_bytes"]), "store": format_size(c["store_bytes"])}
+                     for c in report["capacity"]], ["codec", "engine", "store"])
+    if validated:
+        typer.echo("")
+        typer.echo("Predictions against the measurements:")
         print_table(report["validation"], ["config", "turn", "tokens", "measured_s", "predicted_s", "error"])
         typer.echo(f"largest error: {100 * report['max_abs_error']:.1f}%")
 

@@ -20,7 +20,7 @@ import typer
 from safetensors import safe_open
 
 from kvtool.cache import KVCache, dtype_of, parse_metadata
-from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json, progress
+from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, progress
 from kvtool.cli.inspect import PATTERN_HELP
 from kvtool.errors import DecodeError, KvtoolError, UsageError
 from kvtool.fileio import atomic_write, check_regular
@@ -28,7 +28,7 @@ from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
 from kvtool.layouts.base import INPUT_NAME, PlaneSpec
 from kvtool.units import format_size
 
-FORMAT_TAG = "kvcache-reordered/1"
+FORMAT_TAG = REORDERED_TAG
 
 
 def reorder(
@@ -61,7 +61,8 @@ def _reorder_file(src: Path, dst: Path, chain: LayoutChain, pattern: str | None)
         f.write(safetensors.numpy.save(tensors, metadata=metadata))
     planes = [p.name for p in chain.plan([PlaneSpec.of(cache.keys[0])])]
     report = {"in": str(src), "out": str(dst), "layout": chain.spec(), "planes": planes, "tensors": len(tensors)}
-    return report, f"{dst}: {2 * cache.num_layers} K/V tensors as planes {', '.join(planes)} ({chain.spec() or 'token-major'})"
+    return report, (f"{dst}: {cache.num_layers} layers x K/V as {len(tensors)} tensors, planes {', '.join(planes)} "
+                    f"({chain.spec() or 'token-major'})")
 
 
 def _restore_file(src: Path, dst: Path) -> tuple[dict[str, Any], str]:
@@ -148,4 +149,4 @@ def _restore_tensor(f, names: set[str], chain: LayoutChain, base: str, original:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("reorder")(reorder)
+    app.command("reorder", cls=Command)(reorder)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from kvtool.cli._common import Command, setup_logging
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.server.auth import DEFAULT_LISTEN, TOKEN_ENV, default_token_file, load_token
 from kvtool.store import TieredStore, open_store
@@ -43,7 +44,10 @@ def serve(
         None, "--lookup-defaults",
         help='JSON object of lookup fields clients may leave out, e.g. \'{"model": "org/model", "salt": ""}\'.',
     ),
-    log_level: str = typer.Option("warning", "--log-level", help="uvicorn and kvtool log level."),
+    log_level: Optional[str] = typer.Option(
+        None, "--log-level", show_default=False,
+        help="uvicorn and kvtool log level: debug, info, warning, error. Default: warning, or as the global -v/-q say.",
+    ),
 ):
     """Serve the hot/cold scheduling API (pin, prefetch, offload, evict, hint, lookup, events, metrics) over a store.
 
@@ -59,7 +63,10 @@ def serve(
     from kvtool.cli.store import default_store_url
 
     defaults = _parse_defaults(lookup_defaults, set(PrefixQuery.__dataclass_fields__) - {"tokens"})
-    logging.basicConfig(level=log_level.upper(), format="kvtool: %(levelname)s %(name)s: %(message)s")
+    level = log_level.upper() if log_level else logging.getLevelName(logging.getLogger("kvtool").getEffectiveLevel())
+    if not isinstance(logging.getLevelName(level), int):
+        raise UsageError(f"--log-level {log_level!r}: write debug, info, warning or error")
+    setup_logging(level, "uvicorn")
     token = load_token(token_file, create=True)
     url = store or f"{DEFAULT_MEMORY_TIER},{default_store_url()}"
     opened = open_store(url)
@@ -67,7 +74,7 @@ def serve(
     try:
         limits = Limits(max_json_bytes=max_body, max_value_bytes=max_value, rate=rate, burst=burst)
         server = ApiServer(tiered, token, listen, allow_remote=allow_remote, tls_cert=tls_cert, tls_key=tls_key,
-                           limits=limits, lookup_defaults=defaults, log_level=log_level)
+                           limits=limits, lookup_defaults=defaults, log_level=level.lower())
         where = "$" + TOKEN_ENV if TOKEN_ENV in os.environ else (token_file or default_token_file())
         typer.echo(f"kvtool API on {server.url} over {tiered.describe()} (bearer token: {where})", err=True)
         server.run()
@@ -88,4 +95,4 @@ def _parse_defaults(text: str | None, known: set[str]) -> dict:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve", cls=Command)(serve)

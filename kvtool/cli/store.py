@@ -7,13 +7,14 @@ pin, unpin, prefetch, offload, hint, lookup and events, with ``--api URL``.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table
+from kvtool.cli._common import JSON_OPTION, Command, Group, existing_file, print_json, print_result, print_table
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.store import Store, TieredStore, open_store
@@ -22,6 +23,7 @@ from kvtool.store.metrics import prometheus_text
 from kvtool.units import format_size
 
 store_app = typer.Typer(
+    cls=Group,
     name="store",
     help="Put, get, list and evict entries of a KV cache store (memory, file, redis, or tiers of them).",
     no_args_is_help=True,
@@ -70,23 +72,46 @@ def _open_to_report(url: Optional[str]) -> Store:
     return store
 
 
-@store_app.command("put")
+@store_app.command("put", cls=Command)
 def put(
     key: str = typer.Argument(..., help="Key to store the value under."),
     source: str = typer.Argument(..., help="File to store, or - for standard input."),
     store: Optional[str] = STORE_OPTION,
     tokens: Optional[int] = typer.Option(
-        None, "--tokens", min=0, help="Tokens of KV cache the value holds (kept as metadata)."
+        None, "--tokens", min=0, show_default=False,
+        help="Tokens of KV cache the value holds (kept as metadata). Default: read from a .kvz value's header.",
     ),
+    json_out: bool = JSON_OPTION,
 ):
     """Store a file (or standard input) under KEY."""
+    started = time.perf_counter()
     data = typer.get_binary_stream("stdin").read() if source == "-" else existing_file(Path(source)).read_bytes()
+    if tokens is None:
+        tokens = kvz_tokens(data)
     with _open(store) as s:
         if not s.put(key, data, {} if tokens is None else {"tokens": tokens}):
             raise KvtoolError(f"{key!r} was not stored in {s.describe()} (the reason is logged above)")
+        where = s.describe()
+    seconds = time.perf_counter() - started
+    held = "" if tokens is None else f", {tokens} tokens"
+    print_result({"key": key, "bytes": len(data), "tokens": tokens, "store": where, "seconds": round(seconds, 3)},
+           f"stored {key!r} in {where}: {format_size(len(data))}{held} in {seconds:.2f} s", json_out)
 
 
-@store_app.command("get")
+def kvz_tokens(value: bytes) -> int | None:
+    """The token count in a .kvz value's header, or None for any other value (or a damaged .kvz)."""
+    from kvtool import container
+
+    if not value.startswith(container.MAGIC):
+        return None
+    try:
+        with container.KvzReader.from_bytes(value) as reader:
+            return reader.num_tokens
+    except KvtoolError:
+        return None
+
+
+@store_app.command("get", cls=Command)
 def get(
     key: str = typer.Argument(..., help="Key to read."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the value here instead of standard output."),
@@ -106,7 +131,7 @@ def get(
             f.write(value)
 
 
-@store_app.command("ls")
+@store_app.command("ls", cls=Command)
 def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
     """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
     with _open_to_report(store) as s:
@@ -120,11 +145,11 @@ def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
     if json_out:
         print_json(rows)
     elif rows:
-        shown = [{**r, "tokens": "" if r["tokens"] is None else r["tokens"]} for r in rows]
-        print_table(shown, ["key", "tier", "bytes", "tokens"])
+        shown = [{**r, "size": format_size(r["bytes"])} for r in rows]
+        print_table(shown, ["key", "tier", "size", "tokens"])
 
 
-@store_app.command("stats")
+@store_app.command("stats", cls=Command)
 def stats(
     store: Optional[str] = STORE_OPTION,
     json_out: bool = JSON_OPTION,
@@ -163,7 +188,7 @@ def stats(
     print_table(rows, ["tier", "store", "entries", "used", "capacity"])
 
 
-@store_app.command("evict")
+@store_app.command("evict", cls=Command)
 def evict(
     keys: list[str] = typer.Argument(..., help="Keys to remove."),
     store: Optional[str] = STORE_OPTION,
@@ -209,21 +234,21 @@ def _api_action(action: str, keys: list[str], api: Optional[str], token_file: Op
         raise KvtoolError(f"{len(failed)} of {len(answer['results'])} keys not done: {listed}")
 
 
-@store_app.command("pin")
+@store_app.command("pin", cls=Command)
 def pin(keys: list[str] = KEYS_ARGUMENT, api: Optional[str] = API_OPTION,
         token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION):
     """Keep entries where they are until unpinned (never demoted or evicted), through the API."""
     _api_action("pin", keys, api, token_file, json_out)
 
 
-@store_app.command("unpin")
+@store_app.command("unpin", cls=Command)
 def unpin(keys: list[str] = KEYS_ARGUMENT, api: Optional[str] = API_OPTION,
           token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION):
     """Let pinned entries move and leave again, through the API."""
     _api_action("unpin", keys, api, token_file, json_out)
 
 
-@store_app.command("prefetch")
+@store_app.command("prefetch", cls=Command)
 def prefetch(
     keys: list[str] = KEYS_ARGUMENT,
     wait: bool = typer.Option(False, "--wait", help="Return when the entries are in the fastest tier."),
@@ -233,7 +258,7 @@ def prefetch(
     _api_action("prefetch", keys, api, token_file, json_out, wait=wait)
 
 
-@store_app.command("offload")
+@store_app.command("offload", cls=Command)
 def offload(
     keys: list[str] = KEYS_ARGUMENT,
     to: str = typer.Option("-1", "--to", help="Tier name or number (0 the fastest, -1 the slowest)."),
@@ -244,7 +269,7 @@ def offload(
     _api_action("offload", keys, api, token_file, json_out, to=target)
 
 
-@store_app.command("hint")
+@store_app.command("hint", cls=Command)
 def hint(
     keys: list[str] = KEYS_ARGUMENT,
     returns_in: float = typer.Option(..., "--returns-in", min=0, help="Seconds until the entries are needed, not before."),
@@ -259,7 +284,7 @@ def hint(
                 prefetch_ahead_s=prefetch_ahead)
 
 
-@store_app.command("lookup")
+@store_app.command("lookup", cls=Command)
 def lookup(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma or space separated."),
     tokens_file: Optional[Path] = typer.Option(
@@ -302,7 +327,7 @@ def lookup(
         print_table(rows, ["key", "tokens", "tier"])
 
 
-@store_app.command("events")
+@store_app.command("events", cls=Command)
 def events(
     count: Optional[int] = typer.Option(None, "--count", "-n", min=1, help="Stop after this many events."),
     api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,

@@ -8,7 +8,7 @@ from typing import List
 import typer
 
 from kvtool import api
-from kvtool.cli._common import JSON_OPTION, existing_file, print_json
+from kvtool.cli._common import JSON_OPTION, Command, existing_file, print_json
 from kvtool.fileio import atomic_write
 from kvtool.modeldict import train as trainer
 from kvtool.units import format_size
@@ -45,4 +45,4 @@ def train(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train")(train)
+    app.command("train", cls=Command)(train)

@@ -22,7 +22,7 @@ def ttft(
     max_context: int = typer.Option(4096, help="Prompt tokens of the last turn; earlier turns shrink by the hit rate."),
     chunk_tokens: int = typer.Option(128, min=1, help="Tokens per store entry."),
     seed: int = typer.Option(0, help="Trace seed."),
-    texts: Optional[Path] = typer.Option(None, help="Folder of real texts to cut the trace from (default samples/texts)."),
+    texts: Optional[Path] = typer.Option(None, help="Folder of real texts to cut the trace from; default, in a source checkout: samples/texts."),
     tiers: str = typer.Option("memory,file,redis", help="Comma-separated tiers to measure."),
     recipes: str = typer.Option("none,default,qat", help="Comma-separated recipes: none (stored raw), default (kvtool's default recipe), qat (byteplane|qat:1)."),
     redis_url: Optional[str] = typer.Option(None, envvar="KVTOOL_REDIS_URL", help="Redis server for the redis tier (env KVTOOL_REDIS_URL)."),

@@ -11,7 +11,9 @@ Where the library comes from, first match wins:
 
 1. ``$KVTOOL_QATZIP_LIB``, a path; when set it is the only place tried.
 2. The system loader (``ld.so.cache``, ``LD_LIBRARY_PATH``).
-3. ``<repo>/.local/qatzip/usr/lib/*/``, filled by ``scripts/install-qatzip.sh``.
+3. ``$XDG_DATA_HOME/kvtool/qatzip/usr/lib/*/`` (``~/.local/share/kvtool/qatzip``), filled by
+   ``scripts/install-qatzip.sh``.
+4. In a source checkout, ``<repo>/.local/qatzip/usr/lib/*/``, where that script unpacked it before.
 
 Sessions are opened with software backup, so without a QAT device QATzip
 compresses in software (zlib) and still writes its own gzip format.
@@ -35,10 +37,10 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.errors import KvtoolError, UnavailableError
+from kvtool.paths import data_home, source_checkout
 
 ENV_VAR = "KVTOOL_QATZIP_LIB"
 SONAME = "libqatzip.so.3"
-LOCAL_ROOT = Path(__file__).resolve().parents[2] / ".local" / "qatzip"
 # libqatzip needs libqat, which needs libusdm: loaded first, in this order, from the same folder.
 _DEPENDENCIES = ("libusdm.so.0", "libqat.so.4")
 
@@ -280,12 +282,19 @@ def _open() -> ctypes.CDLL:
         return ctypes.CDLL(SONAME)
     except OSError as exc:
         system_error = str(exc)
-    for candidate in sorted(LOCAL_ROOT.glob(f"usr/lib/*/{SONAME}")):
+    roots = _unpacked_roots()
+    for candidate in (path for root in roots for path in sorted(root.glob(f"usr/lib/*/{SONAME}"))):
         return _open_path(candidate, str(candidate))
     raise UnavailableError(
-        f"{SONAME} not found ({system_error}; nothing under {LOCAL_ROOT}); "
+        f"{SONAME} not found ({system_error}; nothing under {' or '.join(map(str, roots))}); "
         f"run scripts/install-qatzip.sh or set {ENV_VAR} to its path"
     )
+
+
+def _unpacked_roots() -> list[Path]:
+    """Where scripts/install-qatzip.sh unpacks QATzip: the user's data directory, and a checkout's .local."""
+    checkout = source_checkout()
+    return [data_home() / "qatzip"] + ([checkout / ".local" / "qatzip"] if checkout else [])
 
 
 def _open_path(path: Path, origin: str) -> ctypes.CDLL:

@@ -22,14 +22,16 @@ the full chunks it shares and recomputes the rest.
 from __future__ import annotations
 
 import hashlib
+import operator
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
-
-import numpy as np
 
 from kvtool.errors import UsageError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvtool.store.base import Store, Value
 
 _PERSON = b"kvtool/prefix/1"
@@ -132,12 +134,26 @@ def get_prefix(store: "Store", keyer: PrefixKeyer, tokens: Sequence[int] | np.nd
 
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise UsageError("tokens must be a one-dimensional sequence of integer token ids")
-    if ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
+    """Token ids as little-endian uint32; a list is packed without numpy, so ``import kvtool.store`` needs none."""
+    if not isinstance(tokens, (list, tuple, range)):  # an array (numpy, torch): numpy is loaded already
+        import numpy as np
+
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise UsageError("tokens must be a one-dimensional sequence of integer token ids")
+        if ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
+            raise UsageError("token ids must lie in 0 .. 2**32-1")
+        return ids.astype("<u4").tobytes()
+    bad = UsageError("tokens must be a one-dimensional sequence of integer token ids")
+    if any(isinstance(t, bool) for t in tokens):
+        raise bad
+    try:
+        values = [operator.index(t) for t in tokens]  # ints, numpy ints; not floats, strings or lists
+    except TypeError:
+        raise bad from None
+    if values and (min(values) < 0 or max(values) > 0xFFFFFFFF):
         raise UsageError("token ids must lie in 0 .. 2**32-1")
-    return ids.astype("<u4").tobytes()
+    return struct.pack(f"<{len(values)}I", *values)
 
 
 def _field(data: bytes) -> bytes:
