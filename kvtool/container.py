@@ -31,11 +31,14 @@ import xxhash
 
 from kvtool._native import JOB_DTYPE, JOB_STORED_RAW, xxh3_64
 from kvtool._native.batch import BatchCodec
-from kvtool.cache import AXES, KVCache, ModelFacts, dtype_of
+from kvtool.cache import KVCache
+from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, KvtoolError, OutputTooLargeError, UsageError
+from kvtool.facts import AXES, ModelFacts
 from kvtool.fileio import atomic_write, open_regular
 from kvtool.layouts.base import PlaneSpec
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
+from kvtool.tokens import token_range
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\n"
@@ -551,8 +554,8 @@ class KvzReader:
     def _check_read_size(self, layers: Sequence[int] | None, tokens: slice | None) -> None:
         """Refuse, before anything is allocated, a read whose result would exceed ``max_size``."""
         n_layers = len(self.layer_ids) if layers is None else len(layers)
-        start, stop, _ = (tokens or slice(None)).indices(self.num_tokens)
-        nbytes = 2 * n_layers * self._heads * max(stop - start, 0) * self._dim * self.dtype.itemsize
+        start, stop = token_range(tokens, self.num_tokens)
+        nbytes = 2 * n_layers * self._heads * (stop - start) * self._dim * self.dtype.itemsize
         if nbytes > self.max_size:
             self._fail(OutputTooLargeError, f"the cache read would be {nbytes} bytes, over the limit of {self.max_size}")
 
@@ -601,10 +604,7 @@ class KvzReader:
         missing = [l for l in wanted if l not in self.layer_ids]
         if missing:
             raise UsageError(f"{self.name}: no layers {missing} (it holds {self.layer_ids})")
-        start, stop, step = (tokens or slice(None)).indices(self.num_tokens)
-        if step != 1:
-            raise UsageError("token ranges must be contiguous")
-        stop = max(start, stop)
+        start, stop = token_range(tokens, self.num_tokens)
         positions = [2 * self.layer_ids.index(layer) + kv for layer in wanted for kv in (0, 1)]
         arena = np.empty((len(positions), self._heads if self.tensors else 0, stop - start, self._dim if self.tensors else 0), self.dtype.numpy)
         first = start - start % self.chunk_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 
 
 def entropy_of_counts(counts: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtool import _native
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool._native import reference
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 from kvtool.codecs.base import ArrayCodec, Availability, BufferLike, as_memoryview
 from kvtool.errors import DecodeError, UsageError
 
