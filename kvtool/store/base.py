@@ -82,6 +82,9 @@ class Store(ABC):
         self.read_only = False  # set by open_store(..., read_only=True) before first use
         # Told of the entries a write of this store evicted by itself: (keys, reason). TieredStore listens.
         self.on_evicted: Callable[[list[str], str], None] | None = None
+        # False when a TieredStore's policy chooses what leaves this tier: a bounded backend then keeps
+        # no eviction order of its own and refuses a write that does not fit instead of evicting.
+        self.evicts_by_itself = True
         self._closed = False
 
     @classmethod
