@@ -25,8 +25,13 @@ class Component:
     def component_id(cls) -> str:
         return getattr(cls, cls.id_attr)
 
+    @classmethod
+    def config_id(cls) -> str:
+        """The id written into configs: the component's own, or the format's where several ids share one."""
+        return cls.component_id()
+
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.component_id(), **{name: getattr(self, name) for name in self.params}}
+        return {"id": self.config_id(), **{name: getattr(self, name) for name in self.params}}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]):

@@ -4,13 +4,16 @@ Built-in components are named by import path and imported only when first asked
 for, so ``import kvtool`` never pulls in an optional library. Third parties add
 components through an entry-point group (``kvtool.codecs``, ``kvtool.layouts``,
 ``kvtool.stores``) with one line in their packaging metadata; entry points are
-listed by name at first use and imported only when looked up.
+listed by name at first use and imported only when looked up. A package that
+claims a built-in id is ignored with a warning: built-ins win, so installing it
+cannot change how existing files decode.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Generic, TypeVar
@@ -111,7 +114,13 @@ class Registry(Generic[T]):
             for ep in metadata.entry_points(group=self.group):
                 origin = ep.dist.name if ep.dist else "unknown"
                 known = self._entries.get(ep.name)
-                if known is None:
+                if known is not None and known.origin == "kvtool" and known.target != ep.value:
+                    warnings.warn(
+                        f"{origin} registers {self.kind} {ep.name!r} ({ep.value}) under {self.group!r}, "
+                        f"but {ep.name!r} is built into kvtool; the built-in is used",
+                        stacklevel=2,
+                    )
+                elif known is None:
                     self._entries[ep.name] = _Entry(ep.value, origin)
                 elif known.target != ep.value:
                     self._ambiguous.setdefault(ep.name, [known.origin]).append(origin)

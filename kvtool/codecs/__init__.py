@@ -21,8 +21,10 @@ registry: Registry[type[Codec]] = Registry(
         "zstd": "kvtool.codecs.zstd:ZstdCodec",
         "lz4": "kvtool.codecs.lz4:Lz4Codec",
         "zlib": "kvtool.codecs.zlib:ZlibCodec",
-        "qat": "kvtool.codecs.qat:QatCodec",
-        "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),
+        "gzip": "kvtool.codecs.gzip:GzipCodec",
+        "qat": "kvtool.codecs.qat:QatCodec",  # gzip through QATzip, forced; "qat" configs of older files
+
+        "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),  # gzip through ISA-L, forced; older "isal" configs
         "rans": ("kvtool.codecs.rans:RansCodec", "rans"),
         "exphuff": "kvtool.codecs.exphuff:ExpHuffCodec",
     },

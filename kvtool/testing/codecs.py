@@ -105,7 +105,7 @@ class CodecTests:
 
     def test_config_round_trip(self, codec: Codec):
         config = codec.get_config()
-        assert config["id"] == codec.codec_id
+        assert config["id"] == codec.config_id()
         assert json.loads(json.dumps(config)) == config
         rebuilt = codec_from_config(config)
         assert rebuilt == codec
