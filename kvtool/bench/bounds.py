@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtool.cache import DType, KVCache
-from kvtool.stats import entropy_of_counts, sign_exponent_entropy_per_channel
+from kvtool.cache import KVCache
+from kvtool.dtypes import DType
+from kvtool.stats import entropy_of_counts, per_channel_entropy, sign_exponent_entropy_per_channel
 
 LIMITS = ("values", "byte_planes", "sign_exp_per_channel", "fields_per_channel")
 LABELS = {
@@ -76,18 +77,6 @@ class _Bits:
             if self.dtype.mantissa_bits <= 16 else None,
         }
         return {name: (round(v, 4) if v is not None and np.isfinite(v) else None) for name, v in out.items()}
-
-
-def per_channel_entropy(symbols: np.ndarray, alphabet: int, token_axis: int = -2) -> np.ndarray:
-    """Entropy in bits of each channel's symbols over the tokens; ``[heads, dim]`` for ``[heads, tokens, dim]``."""
-    moved = np.moveaxis(symbols, token_axis, -1)
-    channels = moved.shape[:-1]
-    codes = moved.reshape(-1, moved.shape[-1]).astype(np.int64)
-    if codes.size == 0:
-        return np.zeros(channels)
-    codes += (np.arange(codes.shape[0], dtype=np.int64) * alphabet)[:, None]
-    counts = np.bincount(codes.reshape(-1), minlength=codes.shape[0] * alphabet)
-    return entropy_of_counts(counts.reshape(-1, alphabet)).reshape(channels)
 
 
 def entropy_limits(cache: KVCache) -> dict[str, dict[str, float | None]]:
