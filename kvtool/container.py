@@ -724,17 +724,24 @@ class KvzReader:
             self._fail(KvzCorruptError, str(exc))
 
     def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
-        """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum."""
+        """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum.
+
+        Each chunk is read once: a full check decodes block by block, which checks
+        the stored checksum of each chunk before decoding it.
+        """
+        if full:
+            for t in range(len(self.tensors)):
+                for start in range(0, self.num_tokens, self.chunk_tokens):
+                    self._decode_block(t, start)
+                    if on_progress:
+                        on_progress(sum(int(self.index[row]["raw_len"]) for row in self._rows[(t, start)]))
+            return
         for row, entry in enumerate(self.index):
             stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
             if xxhash.xxh3_64_intdigest(stored) != int(entry["stored_xxh3"]):
                 self._fail(KvzCorruptError, f"checksum mismatch in chunk {row}")
             if on_progress:
                 on_progress(int(entry["raw_len"]))
-        if full:
-            for t in range(len(self.tensors)):
-                for start in range(0, self.num_tokens, self.chunk_tokens):
-                    self._decode_block(t, start)
 
     def sizes(self) -> dict[str, Any]:
         """Raw and stored bytes per layer, per K/V and per plane, from the index alone."""
