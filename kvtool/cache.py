@@ -14,6 +14,7 @@ here too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -29,8 +30,18 @@ from kvtool.tensor_names import compile_pattern
 from kvtool.tokens import token_ids_hash, token_range
 
 __all__ = [
-    "AXES", "DTYPES", "DType", "FORMAT_TAG", "KVTOOL_PATTERN", "KVCache", "ModelFacts",
-    "compile_pattern", "dtype_of", "parse_metadata", "token_ids_hash", "token_range",
+    "AXES",
+    "DTYPES",
+    "FORMAT_TAG",
+    "KVTOOL_PATTERN",
+    "DType",
+    "KVCache",
+    "ModelFacts",
+    "compile_pattern",
+    "dtype_of",
+    "parse_metadata",
+    "token_ids_hash",
+    "token_range",
 ]
 
 
@@ -125,7 +136,7 @@ class KVCache:
         """The string map kvtool writes into a safetensors header."""
         return safetensors_io.header_metadata(self.dtype.name, self.model, self.provenance, self.token_start)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Write a plain safetensors file (atomically), tensor by tensor."""
         tensors = ((safetensors_io.tensor_name(layer, kind), array) for layer, kind, array in self.tensors())
         safetensors_io.write_safetensors(path, tensors, self.header_metadata())
@@ -133,7 +144,7 @@ class KVCache:
     @classmethod
     def load(
         cls,
-        path: str | Path,
+        path: str | os.PathLike[str],
         layers: Sequence[int] | None = None,
         tokens: slice | None = None,
         pattern: str | None = None,

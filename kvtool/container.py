@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -39,6 +39,9 @@ from kvtool.fileio import atomic_write, open_regular
 from kvtool.layouts.base import PlaneSpec
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.tokens import token_range
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\n"
@@ -197,7 +200,7 @@ def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, in
     else:
         specs = recipe.plan(PlaneSpec.of(block.array))
         stored_planes = [recipe.codec_for(spec.name).encode(_plane_bytes(p)) for spec, p in zip(specs, planes)]
-    out = []
+    out: list[tuple[int, int, int, int, bytes | memoryview]] = []
     for plane, stored in zip(planes, stored_planes):
         raw = _plane_bytes(plane)
         raw_hash = xxh3_64(raw)
@@ -209,7 +212,7 @@ def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, in
 
 
 def _plane_bytes(plane: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(plane).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(plane).reshape(-1).view(np.uint8).data
 
 
 def _map_bounded(fn, items: Iterable, threads: int | None) -> Iterator[tuple[Any, Any]]:
@@ -367,7 +370,7 @@ class KvzReader:
     def from_bytes(cls, data: bytes | bytearray | memoryview, max_size: int = DEFAULT_MAX_SIZE) -> "KvzReader":
         return cls(_BytesSource(data), max_size=max_size)
 
-    def __enter__(self) -> "KvzReader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -547,7 +550,7 @@ class KvzReader:
         largest = max((nbytes for *_, nbytes in expected), default=0)
         if largest > self.max_size:
             self._fail(OutputTooLargeError, f"a chunk would decode to {largest} bytes, over the limit of {self.max_size}")
-        self._rows = {}
+        self._rows: dict[tuple[int, int], list[int]] = {}
         for row, (t, _, start, _, _) in enumerate(expected):
             self._rows.setdefault((t, start), []).append(row)
 
@@ -565,7 +568,7 @@ class KvzReader:
         tokens = int(self.index[rows[0]]["token_count"])
         block_spec = PlaneSpec("data", (self._heads, tokens, self._dim), self.dtype.numpy)
         specs = self.planes_for(tokens)
-        planes = []
+        planes: list[np.ndarray] = []
         for row, spec in zip(rows, specs):
             entry = self.index[row]
             stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
@@ -574,6 +577,8 @@ class KvzReader:
             if entry["flags"] & FLAG_STORED_RAW:
                 planes.append(np.frombuffer(stored, dtype=spec.dtype).reshape(spec.shape))
                 continue  # its checksum, just verified, is the raw checksum too
+            raw: bytes | np.ndarray
+            plane: np.ndarray | None
             try:
                 if self.recipe.array_codec is not None:
                     plane = self.recipe.array_codec.decode_array(stored, spec.shape, spec.dtype)
@@ -585,6 +590,7 @@ class KvzReader:
                 self._fail(KvzCorruptError, f"chunk {row} does not decode: {exc}")
             if len(raw) != entry["raw_len"] or xxh3_64(raw) != int(entry["raw_xxh3"]):
                 self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
+            assert plane is not None  # a raw length other than the plane's failed the check above
             planes.append(plane)
         return self.recipe.layouts.inverse(planes, [block_spec])[0]
 

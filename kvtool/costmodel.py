@@ -266,7 +266,9 @@ def calibrate(ttft_result: dict[str, Any], model: ModelShape) -> Inputs:
         (r["restored_tokens"], r["tokens"], r["prefill_s"]) for rows in turns.values() for r in rows if "prefill_s" in r
     ]
     prefill = Prefill.fit(observations)
-    tiers, codecs, build = {}, {}, []
+    tiers: dict[str, list[tuple[float, float]]] = {}
+    codecs: dict[str, list[tuple[float, float, float]]] = {}
+    build: list[tuple[float, float]] = []
     for name, rows in turns.items():
         if name == "recompute" or "fetch_s" not in rows[0]:
             continue

@@ -26,7 +26,7 @@ class ModelFacts:
     def from_dict(cls, data: dict[str, Any]) -> "ModelFacts":
         """The facts in ``data`` (other keys are ignored); ``ValueError`` for a value of the wrong type."""
         if not isinstance(data, dict):
-            raise ValueError(f"model facts must be a JSON object, not {type(data).__name__}")
+            raise ValueError(f"model facts must be a JSON object, not {type(data).__name__}")  # noqa: TRY004 - file content: readers catch ValueError
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         for name, value in known.items():
             if not _fits_field(name, value):

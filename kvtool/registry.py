@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Generic, TypeVar
 
+from kvtool.component import Component
 from kvtool.errors import DuplicateIdError, UnavailableError, UnknownIdError, UsageError
 
-T = TypeVar("T")
+T = TypeVar("T")  # what the registered classes make: Codec, Layout, Store
+C = TypeVar("C", bound=Component)
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class _Entry:
 
 
 class Registry(Generic[T]):
-    """Maps ids to lazily imported classes.
+    """Maps ids to lazily imported classes whose instances are ``T``.
 
     ``builtins`` maps an id to ``"module:attr"`` or ``("module:attr", extra)``
     where ``extra`` names the kvtool extra whose packages the module imports.
@@ -42,14 +44,14 @@ class Registry(Generic[T]):
         self.group = group
         self._entries: dict[str, _Entry] = {}
         self._ambiguous: dict[str, list[str]] = {}
-        self._loaded: dict[str, T] = {}
+        self._loaded: dict[str, type[T]] = {}
         self._discovered = False
         self._lock = threading.Lock()
         for id_, target in builtins.items():
             path, extra = (target, None) if isinstance(target, str) else target
             self._entries[id_] = _Entry(path, "kvtool", extra)
 
-    def register(self, id_: str, obj: T) -> None:
+    def register(self, id_: str, obj: type[T]) -> None:
         """Register an already imported class under ``id_`` (for tests and scripts)."""
         self._discover()
         if id_ in self._entries or id_ in self._loaded:
@@ -61,7 +63,7 @@ class Registry(Generic[T]):
         self._discover()
         return sorted(set(self._entries) | set(self._loaded) | set(self._ambiguous))
 
-    def get(self, id_: str) -> T:
+    def get(self, id_: str) -> type[T]:
         """The class registered as ``id_``, imported on first use."""
         self._discover()
         if id_ in self._loaded:
@@ -82,21 +84,7 @@ class Registry(Generic[T]):
                 self._loaded[id_] = self._import(id_, entry)
         return self._loaded[id_]
 
-    def build(self, spec: str):
-        """An instance from a spec: ``ID`` or ``ID:ARG`` (``zstd:19``, ``xor-delta:-1``)."""
-        id_, sep, arg = spec.strip().partition(":")
-        if not id_:
-            raise UsageError(f"empty {self.kind} spec {spec!r}")
-        cls = self.get(id_)
-        return cls.from_spec_arg(arg) if sep else cls()
-
-    def from_config(self, config: Any):
-        """An instance rebuilt from its ``get_config()`` output, through this registry only."""
-        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-            raise UsageError(f"a {self.kind} config must be an object with a string 'id', not {config!r}")
-        return self.get(config["id"]).from_config(config)
-
-    def _import(self, id_: str, entry: _Entry) -> T:
+    def _import(self, id_: str, entry: _Entry) -> type[T]:
         module_name, _, attr = entry.target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -127,3 +115,21 @@ class Registry(Generic[T]):
             for id_ in self._ambiguous:
                 self._entries.pop(id_, None)
             self._discovered = True
+
+
+class ComponentRegistry(Registry[C]):
+    """A registry of components (codecs, layouts), which are also built from specs and configs."""
+
+    def build(self, spec: str) -> C:
+        """An instance from a spec: ``ID`` or ``ID:ARG`` (``zstd:19``, ``xor-delta:-1``)."""
+        id_, sep, arg = spec.strip().partition(":")
+        if not id_:
+            raise UsageError(f"empty {self.kind} spec {spec!r}")
+        cls = self.get(id_)
+        return cls.from_spec_arg(arg) if sep else cls()
+
+    def from_config(self, config: Any) -> C:
+        """An instance rebuilt from its ``get_config()`` output, through this registry only."""
+        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+            raise UsageError(f"a {self.kind} config must be an object with a string 'id', not {config!r}")
+        return self.get(config["id"]).from_config(config)

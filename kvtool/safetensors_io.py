@@ -9,6 +9,7 @@ written by other tools are read through a tensor-name pattern
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +64,7 @@ def parse_metadata(meta: dict[str, str], path: Path) -> tuple[ModelFacts, dict[s
     return facts, provenance, int(text)
 
 
-def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
+def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
     """Write ``(name, array)`` pairs as a safetensors file (atomically), one tensor at a time.
 
     No image of the whole file is built in memory: the header is computed from
@@ -105,7 +106,7 @@ def read_cache(
         handle = safe_open(str(path), framework="numpy")
     except FileNotFoundError:
         raise
-    except Exception as exc:  # safetensors raises its own types for bad headers
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for bad headers
         raise DecodeError(f"{path}: not a readable safetensors file ({exc})") from None
     with handle as f:
         meta = f.metadata() or {}

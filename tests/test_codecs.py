@@ -38,12 +38,12 @@ def test_a_package_claiming_a_built_in_id_does_not_override_it(monkeypatch):
 
     from kvtool import registry as registry_module
     from kvtool.codecs.zstd import ZstdCodec
-    from kvtool.registry import Registry
+    from kvtool.registry import ComponentRegistry
 
     impostor = metadata.EntryPoint(name="zstd", value="impostor.codecs:Zstd", group="kvtool.codecs")
     extra = metadata.EntryPoint(name="brotli", value="impostor.codecs:Brotli", group="kvtool.codecs")
     monkeypatch.setattr(registry_module.metadata, "entry_points", lambda group: [impostor, extra] if group == "kvtool.codecs" else [])
-    fresh = Registry("codec", "kvtool.codecs", {"zstd": "kvtool.codecs.zstd:ZstdCodec"})
+    fresh = ComponentRegistry("codec", "kvtool.codecs", {"zstd": "kvtool.codecs.zstd:ZstdCodec"})
     with pytest.warns(UserWarning, match="'zstd' is built into kvtool; the built-in is used"):
         assert fresh.ids() == ["brotli", "zstd"]
     assert fresh.get("zstd") is ZstdCodec

@@ -68,10 +68,12 @@ class _Bits:
             return {name: None for name in LIMITS}
         raw = 8 * self.dtype.itemsize * self.values
         mantissa_raw = self.dtype.mantissa_bits * self.values
+        value_counts, byte_counts = self.value_counts, self.byte_counts
+        assert byte_counts is not None  # set by the first add()
         out = {
-            "values": raw / (float(entropy_of_counts(self.value_counts)) * self.values)
-            if self.value_counts is not None else None,
-            "byte_planes": raw / (float(entropy_of_counts(self.byte_counts).sum()) * self.values),
+            "values": raw / (float(entropy_of_counts(value_counts)) * self.values)
+            if value_counts is not None else None,
+            "byte_planes": raw / (float(entropy_of_counts(byte_counts).sum()) * self.values),
             "sign_exp_per_channel": raw / (self.sign_exp_bits + mantissa_raw),
             "fields_per_channel": raw / (self.sign_exp_bits + self.mantissa_bits)
             if self.dtype.mantissa_bits <= 16 else None,

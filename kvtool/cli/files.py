@@ -148,7 +148,7 @@ def _not_a_kv_cache(path: Path) -> str | None:
     try:
         with safe_open(str(path), framework="numpy") as f:
             tagged = (f.metadata() or {}).get("kvtool.format") == FORMAT_TAG
-    except Exception as exc:  # safetensors raises its own types: a plain file, or a damaged one
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types: a plain file, or a damaged one
         return f"not a readable safetensors file: {str(exc)[:120]}"
     return None if tagged else "a safetensors file without kvtool's KV cache tag; --pattern reads other tools' dumps"
 

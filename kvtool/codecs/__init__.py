@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.codecs.base import ArrayCodec, Availability, BufferLike, Codec
-from kvtool.registry import Registry
+from kvtool.registry import ComponentRegistry
 
-registry: Registry[type[Codec]] = Registry(
+registry: ComponentRegistry[Codec] = ComponentRegistry(
     "codec",
     "kvtool.codecs",
     {
@@ -36,7 +36,7 @@ def get_codec(spec: str) -> Codec:
     return registry.build(spec)
 
 
-def codec_from_config(config: dict[str, Any]) -> Codec:
+def codec_from_config(config: Any) -> Codec:
     """Rebuild a codec from its ``get_config()`` output, through the registry only."""
     return registry.from_config(config)
 
@@ -46,7 +46,7 @@ def sniff_codec(head: bytes) -> Codec | None:
     for id_ in registry.ids():
         try:
             cls = registry.get(id_)
-        except Exception:  # a broken plug-in must not stop recognising the others
+        except Exception:  # noqa: BLE001, S112 - a broken plug-in must not stop recognising the others
             continue
         if cls.magic and head.startswith(cls.magic):
             return cls()

@@ -196,10 +196,8 @@ class Library:
 
     def _declare(self) -> None:
         lib = self._cdll
-        try:
-            lib.qzSetupSessionDeflate  # QATzip 1.2 and later
-        except AttributeError:
-            raise UnavailableError(f"{lib._name} is older than QATzip 1.2 (no qzSetupSessionDeflate)") from None
+        if not hasattr(lib, "qzSetupSessionDeflate"):  # QATzip 1.2 and later
+            raise UnavailableError(f"{lib._name} is older than QATzip 1.2 (no qzSetupSessionDeflate)")
         sess = POINTER(_Session)
         for name, args in {
             "qzInit": [sess, c_ubyte],
@@ -446,7 +444,7 @@ class _KeyReclaimer:
 def _symbol_size(cdll: ctypes.CDLL, name: str) -> int | None:
     """The size of an exported data symbol, from the library's dynamic symbol table."""
     try:
-        out = subprocess.run(["nm", "-D", "-S", cdll._name], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["nm", "-D", "-S", cdll._name], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():

