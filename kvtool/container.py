@@ -655,6 +655,7 @@ class KvzReader:
         jobs["offset"] = entries["offset"]
         jobs["stored_len"] = entries["stored_len"]
         jobs["stored_xxh3"] = entries["stored_xxh3"]
+        jobs["raw_xxh3"] = entries["raw_xxh3"]
         jobs["out_index"] = [out for out, _, _ in blocks]
         jobs["flags"] = np.where(entries["flags"] & FLAG_STORED_RAW, JOB_STORED_RAW, 0)
         jobs["block_tokens"] = entries["token_count"]
@@ -712,7 +713,7 @@ class KvzReader:
         chunk_rows = np.array([self._rows[(t, start)][0] for _, t, start in blocks], dtype=np.int64)
         entries = self.index[chunk_rows]
         jobs = np.zeros(len(blocks), JOB_DTYPE)
-        for name in ("offset", "stored_len", "stored_xxh3"):
+        for name in ("offset", "stored_len", "stored_xxh3", "raw_xxh3"):
             jobs[name] = entries[name]
         jobs["out_index"] = [target_of[i] for i, _, _ in blocks]
         jobs["flags"] = np.where(entries["flags"] & FLAG_STORED_RAW, JOB_STORED_RAW, 0)

@@ -313,16 +313,7 @@ def test_a_killed_run_leaves_a_partial_file_the_next_run_removes(big_cache, samp
     assert [p.name for p in tmp_path.iterdir()] == ["out.kvz"]
 
 
-@pytest.mark.parametrize(
-    "plant",
-    [
-        pytest.param("fifo", marks=pytest.mark.xfail(
-            strict=True, raises=StillRunning,
-            reason="bug: a file store reads every entry file when it opens, and open() of a FIFO planted under entries/ blocks",
-        )),
-        "directory",
-    ],
-)
+@pytest.mark.parametrize("plant", ["fifo", "directory"])
 def test_special_files_planted_in_a_file_store(tmp_path, plant):
     store = tmp_path / "store"
     assert run("store", "put", "k", "-", "--store", f"file://{store}", input=b"value").exit_code == 0

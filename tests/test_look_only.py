@@ -12,19 +12,21 @@ from typer.testing import CliRunner
 from kvtool.cli import app
 from kvtool.store import open_store
 
-EVICTS_ON_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="bug: opening a file store with a capacity below what it holds evicts entries on open (only writes may evict)",
-)
-
-
 def snapshot(root: Path) -> dict[str, tuple]:
-    """Every path under ``root``: its type, size, modification time and, for files, a hash of the content."""
+    """Every path under ``root``: its type and, for files, size, modification time and a hash of the content.
+
+    A directory's own size and time are left out: SQLite, which indexes a file store, creates
+    its write-ahead log and shared-memory files beside the index when it opens and removes
+    them when the last connection closes, so the directory's time moves with nothing changed.
+    """
     out = {}
     for path in [root, *sorted(root.rglob("*"))]:
         st = path.lstat()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-        out[str(path.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
+        if path.is_dir():
+            out[str(path.relative_to(root))] = (st.st_mode,)
+        else:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+            out[str(path.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
     return out
 
 
@@ -51,8 +53,8 @@ CASES = [
     ["store", "ls", "--store", STORE],
     ["store", "ls", "--json", "--store", "memory://," + STORE],
     ["store", "stats", "--store", "memory://?capacity=1KiB," + STORE],
-    pytest.param(["store", "stats", "--store", STORE + "?capacity=1MiB"], marks=EVICTS_ON_OPEN),
-    pytest.param(["store", "ls", "--store", STORE + "?capacity=1MiB"], marks=EVICTS_ON_OPEN),
+    ["store", "stats", "--store", STORE + "?capacity=1MiB"],  # below what it holds: only writes may evict
+    ["store", "ls", "--store", STORE + "?capacity=1MiB"],
     ["inspect", "{root}/c.kvz"],
     ["inspect", "{root}/c.kvz", "--json"],
     ["inspect", "{root}/raw.safetensors", "--json"],

@@ -24,6 +24,7 @@ JOB_DTYPE = np.dtype(
         ("offset", "<u8"),
         ("stored_len", "<u8"),
         ("stored_xxh3", "<u8"),
+        ("raw_xxh3", "<u8"),
         ("out_index", "<u4"),
         ("flags", "<u4"),
         ("block_tokens", "<u4"),

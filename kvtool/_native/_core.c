@@ -11,6 +11,7 @@ typedef struct {
     uint64_t offset;      /* in the source buffer */
     uint64_t stored_len;
     uint64_t stored_xxh3;
+    uint64_t raw_xxh3;    /* of the decoded block's bytes in C order */
     uint32_t out_index;   /* which [heads, tokens, dim] tensor of the output */
     uint32_t flags;       /* JOB_STORED_RAW: the block's bytes as they are */
     uint32_t block_tokens;
@@ -226,29 +227,25 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
         int64_t hi = j->block_start + (int64_t)tb > (int64_t)tokens ? (int64_t)tokens : j->block_start + (int64_t)tb;
         uint8_t *target = out + j->out_index * tensor + (size_t)lo * row;
         const uint8_t *chunk = base + j->offset;
-        int whole = lo == j->block_start && hi == j->block_start + (int64_t)tb;
         if (j->flags & JOB_STORED_RAW) {
             copy_tokens(target, (size_t)tokens * row, chunk + (size_t)(lo - j->block_start) * row, tb * row,
                         (size_t)heads, row, (size_t)(hi - lo));
             continue;
         }
-        if (whole) {
-            kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, (size_t)tokens * (size_t)dim};
-            rc = kvn_exphuff_decode(&b, chunk, j->stored_len, target);
-        } else {
-            if (raw_len > scratch_size) {
-                free(scratch);
-                scratch_size = raw_len;
-                scratch = malloc(scratch_size);
-            }
-            if (!scratch) { rc = KVN_ERR_NOMEM; scratch_size = 0; }
-            else {
-                kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-                rc = kvn_exphuff_decode(&b, chunk, j->stored_len, scratch);
-                if (!rc)
-                    copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
-                                (size_t)heads, row, (size_t)(hi - lo));
-            }
+        /* Through a block-sized scratch, still in cache for the raw checksum and the copy out. */
+        if (raw_len > scratch_size) {
+            free(scratch);
+            scratch = malloc(raw_len);
+            scratch_size = scratch ? raw_len : 0;
+        }
+        if (!scratch) rc = KVN_ERR_NOMEM;
+        else {
+            kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
+            rc = kvn_exphuff_decode(&b, chunk, j->stored_len, scratch);
+            if (!rc && verify && kvn_xxh3_64(scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
+            if (!rc)
+                copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
+                            (size_t)heads, row, (size_t)(hi - lo));
         }
         if (rc) { failed = (Py_ssize_t)i; break; }
     }
@@ -324,6 +321,7 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
             else {
                 kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
                 rc = kvn_exphuff_decode(&b, block, j->stored_len, scratch);
+                if (!rc && verify && kvn_xxh3_64(scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
                 block = scratch;
             }
         }

@@ -59,12 +59,7 @@ hostile_json = st.recursive(
 )
 
 
-#: Recipes whose read() takes the native batch path, which checks each chunk's stored checksum but
-#: not its raw one (test_the_batch_read_checks_raw_checksums); their data is held to the stored bytes only.
-BATCH_READ_SKIPS_RAW_CHECKSUMS = {"exphuff"}
-
-
-def read(sandbox, tmp_path: Path, blob: bytes, recipe: str | None = None) -> dict:
+def read(sandbox, tmp_path: Path, blob: bytes) -> dict:
     path = tmp_path / "case.kvz"
     path.write_bytes(blob)
     report = sandbox.run({"op": "read", "path": str(path), "max_size": MAX_SIZE})
@@ -74,8 +69,7 @@ def read(sandbox, tmp_path: Path, blob: bytes, recipe: str | None = None) -> dic
         assert report["decode_error"], report
     else:
         assert report["same_by_both_paths"] and report["same_by_rows"], report
-        if recipe not in BATCH_READ_SKIPS_RAW_CHECKSUMS:
-            assert report["agrees_with_checksums"], report
+        assert report["agrees_with_checksums"], report
     return report
 
 
@@ -111,7 +105,7 @@ def test_any_header_value(sandbox, tmp, recipe, data):
     parts = dissect(BASES[recipe])
     path = data.draw(st.sampled_from(header_paths(parts.header)), label="path")
     parts.header = replaced(parts.header, path, data.draw(hostile_json, label="value"))
-    read(sandbox, tmp, assemble(parts), recipe)
+    read(sandbox, tmp, assemble(parts))
 
 
 @SETTINGS
@@ -124,7 +118,7 @@ def test_any_index_field(sandbox, tmp, recipe, data):
         bits = INDEX_DTYPE[name].itemsize * 8
         value = data.draw(st.one_of(edge_ints, st.integers(0, 1 << 16)), label="value") % (1 << bits)
         parts.index[row][name] = value
-    report = read(sandbox, tmp, assemble(parts, tile=data.draw(st.booleans(), label="retile")), recipe)
+    report = read(sandbox, tmp, assemble(parts, tile=data.draw(st.booleans(), label="retile")))
     if report["status"] == "ok":
         assert report["digest"] == EXPECTED
 
@@ -138,7 +132,7 @@ def test_any_index_order_and_trailer(sandbox, tmp, recipe, data):
     if data.draw(st.booleans(), label="trailer"):
         field = data.draw(st.sampled_from(["index_offset", "index_len", "chunks", "header_len"]), label="field")
         parts.trailer[field] = data.draw(edge_ints, label="value") % (1 << 64)
-    report = read(sandbox, tmp, assemble(parts), recipe)
+    report = read(sandbox, tmp, assemble(parts))
     if report["status"] == "ok":
         assert report["digest"] == EXPECTED
 
@@ -165,7 +159,7 @@ def test_any_chunk_payload(sandbox, tmp, recipe, data):
     row = data.draw(st.integers(0, len(parts.index) - 1), label="row")
     parts.chunks[row] = data.draw(frames(int(parts.index[row]["raw_len"])), label="payload")
     parts.index["flags"][row] = data.draw(st.sampled_from([0, FLAG_STORED_RAW]), label="flags")
-    report = read(sandbox, tmp, assemble(parts), recipe)
+    report = read(sandbox, tmp, assemble(parts))
     if report["status"] == "ok" and recipe not in BATCH_READ_SKIPS_RAW_CHECKSUMS:
         assert report["digest"] == EXPECTED
 
@@ -222,11 +216,6 @@ def test_valid_files_decode_exactly(sandbox, tmp, dtype, shape, layers, chunk_to
     assert report["status"] == "ok" and report["digest"] == digest(cache), report
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: read() through the native batch path (exphuff) verifies each chunk's stored checksum but not the "
-    "raw checksum docs/FORMAT.md requires, so a chunk decoding to other bytes than were written goes unnoticed",
-)
 def test_the_batch_read_checks_raw_checksums(sandbox, tmp):
     parts = dissect(BASES["exphuff"])
     assert parts.index["flags"][0] == 0  # a coded chunk, decoded by the native core
