@@ -54,5 +54,12 @@ kvtool bench "$out/code-4096-fp8.safetensors" "$out/prose-4096-fp8.safetensors" 
     -r "zstd:3 lz4 byteplane|zstd:1 channel-major|byteplane|zstd:huff" \
     -r "channel-major|sx-split|rans:192,mant=none" > "$out/bench-fp8-4096.json"
 
+# ctxans: dictionaries learnt on one text, used on it, on the other and on a third.
+[ -f "$out/psf-4096.safetensors" ] || kvtool dump samples/texts/PSF-LICENSE.txt --out "$out/psf-4096.safetensors" --max-tokens 4096
+python benchmarks/ctxans_bench.py "${big[@]}" --repeat 3 --third "$out/psf-4096.safetensors" \
+    --json "$out/ctxans-bf16.json" > "$out/ctxans-bf16.md"
+python benchmarks/ctxans_bench.py "$out/code-4096-fp16.safetensors" "$out/prose-4096-fp16.safetensors" --repeat 3 \
+    --json "$out/ctxans-fp16.json" > "$out/ctxans-fp16.md"
+
 python benchmarks/tables.py "$out"/bench-*.json > "$out/tables.md"
 echo "tables in $out/tables.md; plots in benchmarks/"

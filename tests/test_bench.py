@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from kvtool.bench.bounds import LIMITS, entropy_limits
 from kvtool.bench.plot import pareto
 from kvtool.bench.peers import PEERS
-from kvtool.bench.recipes import BASELINES, best_recipe, everything, quick
+from kvtool.bench.recipes import BASELINES, best_recipe, everything, quick, rans_recipe
 from kvtool.bench.report import CSV_COLUMNS
 from kvtool.cache import KVCache
 from kvtool.cli import app
@@ -92,6 +92,16 @@ def _entropy(symbols: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
+def _context_entropy(channel: np.ndarray) -> float:
+    """H(sign, exponent, top mantissa bit | ctxans's context) of one bf16 channel, bits per value."""
+    level = (channel.astype(np.int64) >> 6) & 0x1FF
+    rel = level - level.sum() // len(level)
+    binade = np.where((rel >= -22) & (rel <= 8), np.floor_divide(rel, 2), -4)
+    context = np.clip(binade, -4, 3) * 2 + (channel >> 15)
+    context = np.concatenate([[0], context[:-1]])  # the first token: binade 0, sign +
+    return sum(np.mean(context == c) * _entropy((channel >> 6)[context == c]) for c in np.unique(context))
+
+
 def test_limits_match_a_direct_computation(small_sample):
     cache = KVCache.load(small_sample, layers=[0, 14], tokens=slice(0, 20))
     arrays = {"k": cache.keys, "v": cache.values, "all": cache.keys + cache.values}
@@ -100,18 +110,22 @@ def test_limits_match_a_direct_computation(small_sample):
         bits = [a.view(np.uint16) for a in tensors]
         flat = np.concatenate([b.reshape(-1) for b in bits])
         n = flat.size
-        sign_exp = mantissa = 0.0
+        sign_exp = mantissa = level = in_context = 0.0
         for b in bits:
             for head in range(b.shape[0]):
                 for dim in range(b.shape[2]):
                     channel = b[head, :, dim]
                     sign_exp += _entropy(channel >> 7) * len(channel)
                     mantissa += _entropy(channel & 0x7F) * len(channel)
+                    level += _entropy(channel >> 6) * len(channel)
+                    in_context += _context_entropy(channel) * len(channel)
         expected = {
             "values": 16 / _entropy(flat),
             "byte_planes": 16 / (_entropy(flat >> 8) + _entropy(flat & 0xFF)),
             "sign_exp_per_channel": 16 * n / (sign_exp + 7 * n),
             "fields_per_channel": 16 * n / (sign_exp + mantissa),
+            "sign_level_per_channel": 16 * n / (level + 6 * n),
+            "sign_level_context": 16 * n / (in_context + 6 * n),
         }
         for name in LIMITS:
             assert got[kind][name] == pytest.approx(expected[name], abs=2e-4), (kind, name)
@@ -167,14 +181,16 @@ def test_default_run_uses_the_samples_and_the_quick_set(samples):
         assert [r["recipe"] for r in file["results"]] == quick(cache)
         assert {r["status"] for r in file["results"]} <= {"ok", "unavailable"}
         ok = {r["recipe"]: r for r in file["results"] if r["status"] == "ok"}
-        assert {"zstd:3", "lz4", DEFAULT_RECIPE, best_recipe(cache)} <= set(ok)
-        assert ok[best_recipe(cache)]["ratio"] > ok[DEFAULT_RECIPE]["ratio"] > ok["zstd:3"]["ratio"]
+        assert {"zstd:3", "lz4", DEFAULT_RECIPE, rans_recipe(cache), best_recipe(cache)} <= set(ok)
+        assert ok[best_recipe(cache)]["ratio"] > ok[rans_recipe(cache)]["ratio"] > ok["zstd:3"]["ratio"]
+        assert ok[best_recipe(cache)]["ratio"] > ok[DEFAULT_RECIPE]["ratio"]
 
 
 def test_recipe_sets(samples):
     cache = KVCache.load(samples[0])
     assert quick(cache)[: len(BASELINES)] == list(BASELINES)
-    assert best_recipe(cache) == "channel-major|sx-split|rans:192,mant=none"
+    assert rans_recipe(cache) == "channel-major|sx-split|rans:192,mant=none"
+    assert best_recipe(cache) == "ctxans" and best_recipe(cache) in quick(cache)
     full = everything(cache)
     assert len(full) == len(set(full))
     assert "channel-major|bf16-split|zstd:19,mant=none" in full

@@ -153,12 +153,12 @@ def layers_of(tensors):
     return PagedLayers([f"layer.{i}" for i in range(len(tensors))], [k for k, _ in views], [v for _, v in views], 4, torch.bfloat16)
 
 
-def save_entry(store, source, block_ids, entry_id="e1"):
+def save_entry(store, source, block_ids, entry_id="e1", recipe="byteplane|zstd:1"):
     capture = Capture({"req": [SaveJob(entry_id, block_ids)]}, num_layers=len(source.names))
     for i in range(len(source.names)):
         capture.take_layer(i, source)
     (entry, keys, values), = capture.complete_entries(set())
-    assert encode_and_store(store, f"key/{entry}", keys, values, "byteplane|zstd:1", ModelFacts("m"))
+    assert encode_and_store(store, f"key/{entry}", keys, values, recipe, ModelFacts("m"))
 
 
 @pytest.mark.parametrize("background", [True, False])
@@ -197,6 +197,34 @@ def test_restore_skips_the_blocks_vllm_already_has(background):
     for i in range(2):
         assert torch.equal(target_tensors[i][5], (cpu_paged() + i)[3])
         assert not target_tensors[i][:5].any()
+
+
+def test_entries_coded_with_a_dictionary_restore_into_paged_blocks_or_fail_cleanly(samples, monkeypatch, tmp_path):
+    from kvtool.cache import KVCache
+    from kvtool.modeldict import registry
+    from kvtool.modeldict.train import train
+
+    dictionary = train([KVCache.load(samples[0], layers=[0, 1])], classes=2)
+    registry.register(dictionary)
+    source = layers_of([cpu_paged() + i for i in range(2)])
+    target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    jobs = {"req": [LoadJob("e1", 2, 0, [4, 0])]}
+    with open_store("memory://") as store:
+        save_entry(store, source, [2, 3], recipe=f"ctxans:{dictionary.id}")
+        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), jobs)
+        restore.start(background=False)
+        assert restore.finish() == set()
+        for i in range(2):
+            assert torch.equal(target_tensors[i][4], (cpu_paged() + i)[2])
+            assert torch.equal(target_tensors[i][0], (cpu_paged() + i)[3])
+        monkeypatch.setattr(registry, "_known", {})  # a reader that has never seen the dictionary
+        monkeypatch.setattr(registry, "_files", {})
+        monkeypatch.setenv(registry.PATH_VARIABLE, str(tmp_path))
+        stats = StatsCollector()
+        missing = Restore(store, lambda e: f"key/{e}", layers_of([torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16)] * 2), jobs, stats)
+        missing.start(background=False)
+        assert missing.finish() == {4, 0}
+    assert stats.take()["counts"]["restore_failures|decode_error"] == 1
 
 
 def test_a_damaged_or_missing_entry_is_reported_and_later_entries_are_not_used():

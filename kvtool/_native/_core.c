@@ -344,12 +344,20 @@ release:
     return result;
 }
 
+/* The ctxans coder's bindings live in ctxans_py.c. */
+PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxans_decode(PyObject *self, PyObject *args);
+
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
     {"exphuff_encode", py_exphuff_encode, METH_VARARGS, "Encode one C-contiguous block as an exphuff chunk."},
     {"exphuff_decode", py_exphuff_decode, METH_VARARGS, "Decode one exphuff chunk into a C-contiguous block; returns a status."},
     {"encode_blocks", py_encode_blocks, METH_VARARGS, "Encode a tensor's token blocks: (blob, meta)."},
     {"decode_blocks", py_decode_blocks, METH_VARARGS, "Decode a batch of chunks into tensors: (status, failed job)."},
+    {"ctxans_model", kvn_py_ctxans_model, METH_VARARGS, "A dictionary's ctxans coder tables, as a capsule."},
+    {"ctxans_encode", kvn_py_ctxans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxans chunk."},
+    {"ctxans_decode", kvn_py_ctxans_decode, METH_VARARGS, "Decode one ctxans chunk into a C-contiguous block; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };

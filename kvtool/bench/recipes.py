@@ -2,8 +2,9 @@
 
 Baselines come first and code the raw bytes with no layout: zstd:3 and lz4
 (the usual general-purpose points) and qat (gzip through QATzip). The best
-recipe names its row count, so it is built for each cache: one rANS model per
-channel is ``kv_heads * head_dim`` rows.
+order-0 recipe names its row count, so it is built for each cache: one rANS
+model per channel is ``kv_heads * head_dim`` rows. The best recipe, ``ctxans``,
+codes with the model dictionary kvtool ships unless a run names another.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ RAW_PLANES = ("lo", "mant")
 
 
 def best_recipe(cache: KVCache) -> str:
-    """The recipe closest to the lossless limit: per-channel rANS on (exponent, sign change), mantissas raw."""
+    """The recipe closest to the lossless limit: context-modelled rANS with a model dictionary."""
+    return "ctxans"
+
+
+def rans_recipe(cache: KVCache) -> str:
+    """The best order-0 recipe: per-channel rANS on (exponent, sign change), mantissas raw."""
     return f"channel-major|sx-split|rans:{channels(cache)},mant=none"
 
 
@@ -46,9 +52,9 @@ def channels(cache: KVCache) -> int:
 
 
 def quick(cache: KVCache) -> list[str]:
-    """Baselines, the gzip family, the old and current defaults, and the best recipe, for this cache."""
+    """Baselines, the gzip family, the old and current defaults, the best order-0 recipe and the best one, for this cache."""
     split = [SPLITS[cache.dtype.name]] if cache.dtype.name in SPLITS else []
-    recipes = [*BASELINES, *QUICK, *split, DEFAULT_RECIPE, best_recipe(cache)]
+    recipes = [*BASELINES, *QUICK, *split, DEFAULT_RECIPE, rans_recipe(cache), best_recipe(cache)]
     return list(dict.fromkeys(recipes))
 
 

@@ -28,7 +28,7 @@ def headline(file: FileReport) -> str:
 
 def limits_line(file: FileReport) -> str:
     parts = [f"{LABELS[name]} {file.limits['all'][name]:.3f}x" for name in LIMITS if file.limits["all"][name]]
-    return "order-0 limits: " + " | ".join(parts)
+    return "entropy limits (models free): " + " | ".join(parts)
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:

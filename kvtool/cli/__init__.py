@@ -71,9 +71,9 @@ def _root(
 
 
 def _register_commands() -> None:
-    from kvtool.cli import bench, codecs, dump, files, inspect, plan, reorder, serve, store
+    from kvtool.cli import bench, codecs, dump, files, inspect, plan, reorder, serve, store, train
 
-    for module in (bench, codecs, dump, files, inspect, plan, reorder, serve, store):
+    for module in (bench, codecs, dump, files, inspect, plan, reorder, serve, store, train):
         module.register(app)
 
 

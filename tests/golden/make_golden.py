@@ -26,7 +26,8 @@ LAYOUT_RECIPES = {
     "layout-xor-delta-bf16-split": "channel-major|xor-delta|bf16-split|zstd:1,mant=none",
     "layout-sx-split-rans": "channel-major|sx-split|rans:192,mant=none",
 }
-ARRAY_RECIPES = {"array-exphuff": "exphuff"}
+# ctxans names its dictionary: the one kvtool ships (kvtool/modeldict/default.kvd), which stays shipped.
+ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0"}
 GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES}
 
 

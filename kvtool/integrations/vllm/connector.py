@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm import SUPPORTED_VLLM, shared_store
+from kvtool.integrations.vllm.dictionary import DictionaryKeeper
 from kvtool.integrations.vllm.paged import kv_views
 from kvtool.integrations.vllm.plan import (
     EntryNamer,
@@ -113,6 +114,7 @@ class KvtoolConnector(KVConnectorBase_V1):
                 cache.prefix_caching_hash_algo,
             )
         self._store = self._open_store(parallel.distributed_executor_backend)
+        self._dicts = DictionaryKeeper(self._settings.dictionary, self._settings.recipe, self._store, self._facts)
         self._released = False
         self._stats = StatsCollector()
         self._totals: dict = {"counts": {}, "samples": {}, "gauges": {}}  # for the shutdown line
@@ -293,7 +295,8 @@ class KvtoolConnector(KVConnectorBase_V1):
         key = self._namer.key(entry_id, self._rank)
         start = time.perf_counter()
         try:
-            stored = encode_and_store(self._store, key, keys, values, self._namer.recipe, self._facts)
+            recipe = self._dicts.recipe_for(keys, values)
+            stored = encode_and_store(self._store, key, keys, values, recipe, self._facts)
         except Exception:
             log.exception("kvtool: saving entry %s failed", entry_id[:16])
             stored = 0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvtool.errors import UsageError
+from kvtool.integrations.vllm.dictionary import check_setting as check_dictionary
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store.file import default_path
 from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
@@ -29,7 +30,10 @@ class ConnectorSettings:
     many entries saved into a memory tier may wait for their copy in the
     persistent tier below (0: none are copied before they leave memory or the
     server shuts down); ``api``: serve kvtool's HTTP API from this server over
-    the live store (``kvtool.server.embedded``)."""
+    the live store (``kvtool.server.embedded``); ``dictionary``: with a
+    ``ctxans`` recipe, a ``.kvd`` model dictionary to code with, or
+    ``train[:TOKENS]`` to learn one from the first entries saved
+    (``kvtool.integrations.vllm.dictionary``)."""
 
     store: str = field(default_factory=default_store)
     recipe: str = DEFAULT_RECIPE
@@ -38,6 +42,7 @@ class ConnectorSettings:
     overlap: bool | None = None
     write_behind: int = DEFAULT_WRITE_BEHIND
     api: dict | None = None
+    dictionary: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -54,6 +59,7 @@ class ConnectorSettings:
         if not isinstance(settings.write_behind, int) or settings.write_behind < 0:
             raise UsageError(f"write_behind must be a number of entries (0 or more), not {settings.write_behind!r}")
         Recipe.parse(settings.recipe)  # fail at startup, not on the first save
+        check_dictionary(settings.dictionary, settings.recipe)
         return settings
 
     def blocks_per_entry(self, block_size: int) -> int:

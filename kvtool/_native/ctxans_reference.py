@@ -1,0 +1,330 @@
+"""The ctxans chunk format in numpy and plain Python: the reference the C core must match bit for bit.
+
+Used where the core is not built, and by the tests as the oracle. ctxans.c
+explains the why of each step; docs/FORMAT.md specifies the bytes.
+
+A block ``[heads, tokens, dim]`` is coded token by token, each token's heads
+in order, each head's row of ``dim`` values in order (*coding order*). A value
+of a float family with ``E`` exponent and ``M`` mantissa bits splits into its
+sign, its *level* (exponent and top mantissa bit, ``E + 1`` bits: half-binade
+steps of magnitude) and ``M - 1`` raw low mantissa bits. Each channel
+(head, dim position) has a *reference*, the floor of the mean level over the
+block's tokens, and a *class* of the dictionary; a value's *symbol* is
+``sign * 32 + q``, where ``q = level - reference - LOW + 1`` when that lies in
+1..31 and 0 (an escape: the level follows in the escape list) otherwise. A row
+equal to an earlier row of the same head is not coded; the chunk names the
+earlier row instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtool.errors import DecodeError
+from kvtool.modeldict.format import LEVELS, LOW, PROB_BITS, REF_SYMBOLS, SYMBOLS, CoderTables
+
+VERSION = 1
+HEAD = struct.Struct("<BB4sHII")  # version, flags, dictionary tag, base reference, escapes, rANS bytes
+FLAG_REPEATS = 1
+STATES = 16
+RANS_LOW = 1 << 16
+
+
+@dataclass(frozen=True)
+class Family:
+    width: int  # bytes per value
+    exponent_bits: int
+    mantissa_bits: int
+
+    @property
+    def raw_bits(self) -> int:
+        return self.mantissa_bits - 1
+
+    @property
+    def level_count(self) -> int:
+        return 1 << (self.exponent_bits + 1)
+
+
+FAMILIES = {
+    "bf16": Family(2, 8, 7),
+    "fp16": Family(2, 5, 10),
+    "fp32": Family(4, 8, 23),
+    "fp8_e4m3": Family(1, 4, 3),
+    "fp8_e5m2": Family(1, 5, 2),
+}
+
+
+def fields(bits: np.ndarray, family: Family) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sign, level and raw bits of each value (int64 arrays of ``bits``' shape)."""
+    v = bits.astype(np.int64)
+    sign = v >> (8 * family.width - 1)
+    level = (v >> family.raw_bits) & (family.level_count - 1)
+    raw = v & ((1 << family.raw_bits) - 1)
+    return sign, level, raw
+
+
+def contexts(sym: np.ndarray, tables: CoderTables) -> np.ndarray:
+    """The context of every symbol ``[tokens, channels]``: what the channel's previous token left."""
+    prev = np.empty_like(sym)
+    prev[1:] = tables.context_of[sym[:-1]]
+    prev[:1] = tables.start_context
+    return prev
+
+
+def symbols(sign: np.ndarray, level: np.ndarray, refs: np.ndarray) -> np.ndarray:
+    q = level - refs - LOW + 1
+    return sign * LEVELS + np.where((q >= 1) & (q < LEVELS), q, 0)
+
+
+def repeated_rows(bits: np.ndarray) -> np.ndarray:
+    """For each row ``[tokens, heads]``, how many tokens back its nearest earlier equal row of the head is (0: none)."""
+    heads, tokens, _ = bits.shape
+    back = np.zeros((tokens, heads), np.int64)
+    for h in range(heads):
+        last: dict[bytes, int] = {}
+        for t in range(tokens):
+            row = bits[h, t].tobytes()
+            if row in last:
+                back[t, h] = t - last[row]
+            last[row] = t
+    return back
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _pack_bits(values: np.ndarray, width: int) -> bytes:
+    """``values`` (each < 2**width) as an LSB-first bit stream, zero padded to a byte."""
+    if not len(values) or not width:
+        return b""
+    bits = ((values[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _unpack_bits(data: bytes, count: int, width: int) -> np.ndarray:
+    if not count or not width:
+        return np.zeros(count, np.int64)
+    bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")[: count * width].astype(np.int64)
+    return (bits.reshape(count, width) << np.arange(width)).sum(axis=1)
+
+
+def _rans_encode(syms: list[int], models: list[int], t: CoderTables) -> bytes:
+    """The rANS stream of ``syms``, symbol ``i`` coded with model ``models[i]`` by state ``i % STATES``."""
+    freq, cum = t.freq.tolist(), t.cum.tolist()
+    states = [RANS_LOW] * STATES
+    words: list[int] = []
+    for i in range(len(syms) - 1, -1, -1):
+        s, m = syms[i], models[i]
+        f, c = freq[m][s], cum[m][s]
+        x = states[i % STATES]
+        if x >= f << (32 - PROB_BITS):
+            words.append(x & 0xFFFF)
+            x >>= 16
+        states[i % STATES] = (x // f << PROB_BITS) + x % f + c
+    words.reverse()
+    return struct.pack(f"<{STATES}I", *states) + np.array(words, "<u2").tobytes()
+
+
+class _RansDecoder:
+    def __init__(self, data: bytes, t: CoderTables):
+        if len(data) < 4 * STATES or len(data) % 2:
+            raise DecodeError("ctxans: truncated entropy-coded stream")
+        self.states = list(struct.unpack_from(f"<{STATES}I", data))
+        self.words = np.frombuffer(data, "<u2", offset=4 * STATES).tolist()
+        self.pos = 0
+        self.i = 0
+        self.freq, self.cum = t.freq.tolist(), t.cum.tolist()
+
+    def next(self, model: int) -> int:
+        j = self.i % STATES
+        self.i += 1
+        x = self.states[j]
+        slot = x & ((1 << PROB_BITS) - 1)
+        cum = self.cum[model]
+        s = bisect.bisect_right(cum, slot) - 1
+        x = self.freq[model][s] * (x >> PROB_BITS) + slot - cum[s]
+        if x < RANS_LOW:
+            if self.pos == len(self.words):
+                raise DecodeError("ctxans: the entropy-coded stream ends early")
+            x = x << 16 | self.words[self.pos]
+            self.pos += 1
+        self.states[j] = x
+        return s
+
+    def finish(self) -> None:
+        if self.pos != len(self.words) or any(x != RANS_LOW for x in self.states):
+            raise DecodeError("ctxans: the entropy-coded stream does not end where its symbols do")
+
+
+def encode(block: np.ndarray, dtype_name: str, tables: CoderTables, tag: bytes) -> bytes:
+    """The ctxans chunk of a block ``[heads, tokens, dim]`` (any strides)."""
+    family = FAMILIES[dtype_name]
+    heads, tokens, dim = block.shape
+    channels = heads * dim
+    if not heads * tokens * dim:
+        return HEAD.pack(VERSION, 0, tag, 0, 0, 0)
+    bits = np.ascontiguousarray(block).view(f"u{family.width}")
+    sign, level, raw = (np.moveaxis(a, 0, 1).reshape(tokens, channels) for a in fields(bits, family))
+    refs = level.sum(axis=0) // tokens
+    sym = symbols(sign, level, refs)
+    back = repeated_rows(bits)
+    coded_rows = back == 0
+    coded = np.repeat(coded_rows, dim, axis=1)  # [tokens, channels]
+
+    # Each channel's class: the cheapest for its coded symbols in their contexts, the lowest on a tie.
+    prev = contexts(sym, tables)
+    bins = tables.contexts * SYMBOLS
+    pairs = (np.arange(channels) * bins + prev * SYMBOLS + sym)[coded]
+    counts = np.bincount(pairs, minlength=channels * bins).reshape(channels, bins)
+    classes = np.argmin(counts @ tables.cost.astype(np.int64) + tables.class_cost, axis=1)
+
+    base = int(refs.min())
+    offsets = refs - base
+    side_syms, side_models, escapes = [], [], []
+    for c in range(channels):
+        side_syms += [int(classes[c]), int(min(offsets[c], REF_SYMBOLS - 1))]
+        side_models += [tables.class_model, tables.ref_model]
+        if offsets[c] >= REF_SYMBOLS - 1:
+            escapes.append(int(refs[c]))
+    models = classes[None, :] * tables.contexts + prev
+    value_syms, value_models = sym[coded].tolist(), models[coded].tolist()
+    escapes += level[coded][sym[coded] % LEVELS == 0].tolist()
+    stream = _rans_encode(side_syms + value_syms, side_models + value_models, tables)
+
+    flags, repeats = 0, b""
+    if not coded_rows.all():
+        flags = FLAG_REPEATS
+        bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
+        body = bitmap + b"".join(_varint(int(b) - 1) for b in back[~coded_rows])
+        repeats = struct.pack("<I", len(body)) + body
+    return b"".join([
+        HEAD.pack(VERSION, flags, tag, base, len(escapes), len(stream)),
+        repeats,
+        np.array(escapes, "<u2").tobytes(),
+        _pack_bits(raw[coded], family.raw_bits),
+        stream,
+    ])
+
+
+def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, int], tables: CoderTables, tag: bytes) -> np.ndarray:
+    """The block a ctxans chunk holds, as unsigned integers of the dtype's width; ``DecodeError`` if malformed."""
+    family = FAMILIES[dtype_name]
+    heads, tokens, dim = shape
+    channels = heads * dim
+    data = bytes(chunk)
+    if len(data) < HEAD.size:
+        raise DecodeError("ctxans: truncated chunk")
+    version, flags, chunk_tag, base, n_escapes, stream_len = HEAD.unpack_from(data)
+    if version != VERSION or flags & ~FLAG_REPEATS:
+        raise DecodeError("ctxans: not a chunk of this format")
+    if chunk_tag != tag:
+        raise DecodeError(f"ctxans: the chunk was coded with dictionary {chunk_tag.hex()}..., not {tag.hex()}...")
+    out = np.zeros((tokens, heads, dim), f"u{family.width}")
+    if not heads * tokens * dim:
+        if len(data) != HEAD.size or flags or base or n_escapes or stream_len:
+            raise DecodeError("ctxans: an empty block's chunk holds data")
+        return np.moveaxis(out, 0, 1)
+    at = HEAD.size
+    back = np.zeros((tokens, heads), np.int64)
+    if flags & FLAG_REPEATS:
+        if len(data) < at + 4:
+            raise DecodeError("ctxans: truncated chunk")
+        (length,) = struct.unpack_from("<I", data, at)
+        at += 4
+        back = _read_repeats(data[at : at + length], tokens, heads)
+        at += length
+    coded_rows = back == 0
+    n_coded = int(coded_rows.sum()) * dim
+    raw_len = (n_coded * family.raw_bits + 7) // 8
+    if len(data) != at + 2 * n_escapes + raw_len + stream_len:
+        raise DecodeError("ctxans: the chunk's sections do not add up to its length")
+    escapes = np.frombuffer(data, "<u2", n_escapes, at).tolist()
+    at += 2 * n_escapes
+    raw = _unpack_bits(data[at : at + raw_len], n_coded, family.raw_bits).tolist()
+    at += raw_len
+    rans = _RansDecoder(data[at:], tables)
+    escape_at = 0
+
+    def escape() -> int:
+        nonlocal escape_at
+        if escape_at == len(escapes):
+            raise DecodeError("ctxans: more escapes than the chunk holds")
+        escape_at += 1
+        return escapes[escape_at - 1]
+
+    classes, refs = [], []
+    for _ in range(channels):
+        classes.append(rans.next(tables.class_model))
+        offset = rans.next(tables.ref_model)
+        ref = escape() if offset == REF_SYMBOLS - 1 else base + offset
+        if ref >= family.level_count:
+            raise DecodeError("ctxans: a channel reference is out of range")
+        refs.append(ref)
+    context_of = tables.context_of.tolist()
+    prev = [tables.start_context] * channels
+    sign_shift, raw_bits = 8 * family.width - 1, family.raw_bits
+    raw_at = 0
+    for t in range(tokens):
+        for h in range(heads):
+            row = out[t, h]
+            if back[t, h]:
+                if back[t, h] > t:
+                    raise DecodeError("ctxans: a repeated row points before the block")
+                row[:] = out[t - back[t, h], h]
+                sign, level, _ = fields(row, family)
+                syms = symbols(sign, level, np.array(refs[h * dim : (h + 1) * dim])).tolist()
+                for d in range(dim):
+                    prev[h * dim + d] = context_of[syms[d]]
+                continue
+            for d in range(dim):
+                c = h * dim + d
+                s = rans.next(classes[c] * tables.contexts + prev[c])
+                prev[c] = context_of[s]
+                q = s % LEVELS
+                level = escape() if q == 0 else refs[c] + LOW + q - 1
+                if not 0 <= level < family.level_count:
+                    raise DecodeError("ctxans: a level is out of range")
+                row[d] = (s // LEVELS) << sign_shift | level << raw_bits | raw[raw_at]
+                raw_at += 1
+    rans.finish()
+    if escape_at != len(escapes):
+        raise DecodeError("ctxans: the chunk holds escapes no symbol uses")
+    return np.moveaxis(out, 0, 1)
+
+
+def _read_repeats(body: bytes, tokens: int, heads: int) -> np.ndarray:
+    rows = tokens * heads
+    bitmap_len = (rows + 7) // 8
+    if len(body) < bitmap_len:
+        raise DecodeError("ctxans: truncated repeat section")
+    flags = np.unpackbits(np.frombuffer(body, np.uint8, bitmap_len), bitorder="little")
+    if flags[rows:].any():
+        raise DecodeError("ctxans: bad repeat bitmap padding")
+    back = np.zeros(rows, np.int64)
+    at = bitmap_len
+    for row in np.flatnonzero(flags[:rows]).tolist():
+        value, shift = 0, 0
+        while True:
+            if at == len(body) or shift > 28:
+                raise DecodeError("ctxans: bad repeat distance")
+            byte = body[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        back[row] = value + 1
+    if at != len(body):
+        raise DecodeError("ctxans: the repeat section has trailing bytes")
+    return back.reshape(tokens, heads)
