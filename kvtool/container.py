@@ -37,6 +37,7 @@ from kvtool.errors import DecodeError, KvtoolError, OutputTooLargeError, UsageEr
 from kvtool.facts import AXES, ModelFacts
 from kvtool.fileio import atomic_write, open_regular
 from kvtool.layouts.base import PlaneSpec
+from kvtool.layouts.lossy import measured_error
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.tokens import token_range
 
@@ -162,7 +163,7 @@ def _write_blocks(out, tensors, recipe: Recipe, chunk_tokens: int, threads, offs
         for i, (_, _, array) in enumerate(tensors)
         for start in range(0, array.shape[1], chunk_tokens)
     )
-    for block, chunks in _map_bounded(lambda b: _encode_block(b, recipe), blocks, threads):
+    for block, chunks in _map_bounded(lambda b: _encode_block(b, recipe.for_kind(tensors[b.tensor][1])), blocks, threads):
         for plane, (flags, raw_len, raw_hash, stored_hash, stored) in enumerate(chunks):
             out.write(stored)
             records.append(
@@ -249,6 +250,8 @@ def _header_bytes(cache: KVCache, recipe: Recipe, chunk_tokens: int, metadata: d
         "provenance": cache.provenance,
         "metadata": metadata,
     }
+    if recipe.lossy:  # the marker, and what the approximation costs each tensor
+        header["lossy"] = {"error": measured_error(cache.tensors(), recipe.layouts, chunk_tokens)}
     if _depth(header) > MAX_JSON_DEPTH:
         raise UsageError(f"provenance is nested deeper than a .kvz header allows ({MAX_JSON_DEPTH} levels)")
     try:
@@ -459,6 +462,18 @@ class KvzReader:
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             self._fail(KvzFormatError, f"malformed header ({type(exc).__name__}: {str(exc)[:200]})")
         self._validate_manifest()
+        self.lossy = self._lossy_marker(header.get("lossy"))
+
+    def _lossy_marker(self, marker: Any) -> dict[str, Any] | None:
+        """The header's ``lossy`` object: there exactly when the recipe has a lossy stage."""
+        if marker is None and not self.recipe.lossy:
+            return None
+        if not self.recipe.lossy or not isinstance(marker, dict) or not isinstance(marker.get("error"), list):
+            self._fail(KvzFormatError, f"the 'lossy' marker must be present exactly when the recipe is lossy ({self.recipe.spec()!r})")
+        for row in marker["error"]:
+            if not isinstance(row, dict) or not all(type(row.get(k)) in (int, float) for k in ("layer", "max_abs", "rms", "rel_rms")):
+                self._fail(KvzFormatError, "the 'lossy' marker's error rows need a layer, max_abs, rms and rel_rms")
+        return marker
 
     def _int(self, value: Any, what: str, lo: int, hi: int) -> int:
         if type(value) is not int or not lo <= value <= hi:
@@ -592,7 +607,7 @@ class KvzReader:
                 self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
             assert plane is not None  # a raw length other than the plane's failed the check above
             planes.append(plane)
-        return self.recipe.layouts.inverse(planes, [block_spec])[0]
+        return self.recipe.layouts.for_kind(self.tensors[tensor][1]).inverse(planes, [block_spec])[0]
 
     def read(
         self,

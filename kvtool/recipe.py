@@ -8,9 +8,15 @@ A recipe is written as a spec string, layouts then one codec stage::
                                             per-plane codecs: zstd:1 by default,
                                             the "mant" plane stored as is
 
+    int:4,group=64|zstd:3                   lossy: 4-bit codes with keys quantized
+                                            per channel, values per token, then zstd
+
 The codec stage is a comma-separated list: an optional default codec, then
 ``PLANE=CODEC`` overrides for planes named by the layouts. In a file the recipe
 is data (``to_config``) and is rebuilt only through the registries.
+
+A lossy stage (``kvtool.layouts.lossy``) is never implied: a recipe has one only
+when its spec names it, as its first stage.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ class Recipe:
         return cls(layouts, codec, plane_codecs)
 
     def __post_init__(self) -> None:
+        lossy = [layout.spec() for layout in self.layouts if layout.lossy]
+        if lossy and (len(lossy) > 1 or not self.layouts[0].lossy):
+            raise UsageError(
+                f"recipe {self.spec()!r}: a lossy stage ({', '.join(lossy)}) must be the first stage, and the only lossy one"
+            )
         if isinstance(self.codec, ArrayCodec) and self.plane_codecs:
             raise UsageError(f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} codes the whole block; it takes no plane codecs")
         if any(isinstance(c, ArrayCodec) for c in self.plane_codecs.values()):
@@ -59,6 +70,16 @@ class Recipe:
     def array_codec(self) -> ArrayCodec | None:
         """The codec, when it takes whole KV blocks: the layouts before it must leave one [heads, tokens, dim] plane."""
         return self.codec if isinstance(self.codec, ArrayCodec) else None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a stage of the recipe stores an approximation: then decoding gives back other bits."""
+        return self.layouts.lossy
+
+    def for_kind(self, kind: str) -> "Recipe":
+        """The recipe as it applies to keys (``"k"``) or values (``"v"``); see ``Layout.for_kind``."""
+        layouts = self.layouts.for_kind(kind)
+        return self if layouts is self.layouts else Recipe(layouts, self.codec, self.plane_codecs)
 
     def spec(self) -> str:
         codec_stage = ",".join([self.codec.spec()] + [f"{p}={c.spec()}" for p, c in self.plane_codecs.items()])

@@ -2,7 +2,8 @@
 
 For each (cache, recipe): the .kvz bytes once, for the ratio and the sizes per
 K/V, layer and plane (``KvzReader.sizes()``), checked to decode to the same
-bits; then compression and decompression timed, best of ``repeat``, on one
+bits (a lossy recipe: to values within its stated error bound, and labelled
+lossy); then compression and decompression timed, best of ``repeat``, on one
 thread and on ``threads``. Compression writes to a sink that only counts, so
 what is timed is the container's work (layout, codecs, checksums, index) and
 not the growth of an output buffer. Throughput is MB/s of original data
@@ -29,6 +30,7 @@ from kvtool.cache import KVCache
 from kvtool.container import DEFAULT_CHUNK_TOKENS, KvzReader, encode_cache, write_cache
 from kvtool.errors import KvtoolError, UnavailableError
 from kvtool.layouts.base import PlaneSpec
+from kvtool.layouts.lossy import bound_violation
 from kvtool.recipe import Recipe
 
 OK, UNAVAILABLE, NOT_APPLICABLE = "ok", "unavailable", "not applicable"
@@ -39,6 +41,7 @@ class Result:
     recipe: str  # a recipe spec, or "peer: NAME" for another tool on the same blocks
     status: str
     reason: str = ""
+    lossy: bool = False  # decodes to an approximation within the recipe's stated bound, not the same bits
     raw_bytes: int = 0
     stored_bytes: int = 0
     ratio: float | None = None
@@ -123,10 +126,16 @@ def measure(
     blob = encode_cache(cache, recipe, chunk_tokens=chunk_tokens, threads=1)
     with KvzReader.from_bytes(blob) as reader:
         sizes = reader.sizes()
-        if not reader.read(threads=1).equal_bits(cache):
-            raise KvtoolError(f"recipe {spec!r} did not round-trip bit for bit")
+        restored = reader.read(threads=1)
+    if recipe.lossy:
+        violation = bound_violation(cache.tensors(), [a for _, _, a in restored.tensors()], recipe.layouts, chunk_tokens)
+        if violation:
+            raise KvtoolError(f"lossy recipe {spec!r} strays beyond its error bound: {violation}")
+    elif not restored.equal_bits(cache):
+        raise KvtoolError(f"recipe {spec!r} did not round-trip bit for bit")
     result = Result(
         spec, OK,
+        lossy=recipe.lossy,
         raw_bytes=sizes["total"]["raw"],
         stored_bytes=len(blob),
         ratio=round(cache.nbytes / len(blob), 4),

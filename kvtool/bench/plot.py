@@ -12,6 +12,7 @@ from pathlib import Path
 from kvtool.bench.bounds import LABELS
 from kvtool.bench.matrix import OK, Report
 from kvtool.bench.recipes import BASELINES
+from kvtool.bench.report import label
 from kvtool.errors import UnavailableError
 
 SHOWN_LIMITS = ("byte_planes", "sign_exp_per_channel", "fields_per_channel")
@@ -50,7 +51,7 @@ def plot(report: Report, out: Path) -> None:
             x, y = r.compress_mbps["1"], r.ratio
             baseline = r.recipe in BASELINES
             ax.scatter([x], [y], s=36, color="0.55" if baseline else "C0", zorder=3)
-            ax.annotate(r.recipe, (x, y), xytext=(5, 6 if i % 2 else -11), textcoords="offset points",
+            ax.annotate(label(r), (x, y), xytext=(5, 6 if i % 2 else -11), textcoords="offset points",
                         fontsize=7, color="0.35" if baseline else "black")
         front = pareto([(r.compress_mbps["1"], r.ratio) for r in ok if r.ratio is not None])  # every OK result has one
         if len(front) > 1:

@@ -59,7 +59,7 @@ def quick(cache: KVCache) -> list[str]:
 
 
 def everything(cache: KVCache) -> list[str]:
-    """Every registered layout (alone and after channel-major) with every codec at its sensible levels.
+    """Every registered lossless layout (alone and after channel-major) with every codec at its sensible levels.
 
     Chains the cache's dtype does not fit are left out. A chain that splits off
     a near-random plane also runs with that plane stored raw. ``rans`` goes
@@ -80,7 +80,7 @@ def everything(cache: KVCache) -> list[str]:
 def _chains(cache: KVCache) -> list[str]:
     chains = ["", "channel-major"]
     for layout in layout_registry.ids():
-        if layout not in ("token-major", "channel-major"):
+        if layout not in ("token-major", "channel-major") and not layout_registry.get(layout).lossy:
             chains += [layout, f"channel-major|{layout}"]
     return [chain for chain in chains if _fits(chain, cache)]
 

@@ -62,9 +62,9 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
             rows.append({"recipe": r.recipe, "planes": f"{r.status}: {r.reason}"})
             continue
         rows.append({
-            "recipe": r.recipe,
+            "recipe": label(r),
             "ratio": r.ratio,
-            "% limit": round(100 * r.ratio / limit, 1) if limit else "",
+            "% limit": round(100 * r.ratio / limit, 1) if limit and not r.lossy else "",  # a lossless limit
             "K": r.by_kind.get("k", ""),
             "V": r.by_kind.get("v", ""),
             "comp MB/s": r.compress_mbps["1"],
@@ -79,8 +79,13 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
     return rows, columns
 
 
+def label(result: Result) -> str:
+    """A result's recipe as tables and plots show it: a lossy one says so."""
+    return f"{result.recipe} (lossy)" if result.lossy else result.recipe
+
+
 CSV_COLUMNS = [
-    "file", "dtype", "tokens", "recipe", "status", "reason", "raw_bytes", "stored_bytes", "ratio", "ratio_k", "ratio_v",
+    "file", "dtype", "tokens", "recipe", "lossy", "status", "reason", "raw_bytes", "stored_bytes", "ratio", "ratio_k", "ratio_v",
     "compress_mbps_1t", "compress_mbps_nt", "decompress_mbps_1t", "decompress_mbps_nt", "threads",
     "compress_cpu_s_per_gb", "decompress_cpu_s_per_gb", *(f"limit_{name}" for name in LIMITS),
 ]
@@ -94,7 +99,7 @@ def csv_rows(report: Report) -> list[dict[str, Any]]:
         for r in file.results:
             rows.append({
                 "file": file.path, "dtype": file.dtype, "tokens": file.tokens,
-                "recipe": r.recipe, "status": r.status, "reason": r.reason,
+                "recipe": r.recipe, "lossy": r.lossy, "status": r.status, "reason": r.reason,
                 "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes, "ratio": r.ratio,
                 "ratio_k": r.by_kind.get("k"), "ratio_v": r.by_kind.get("v"),
                 "compress_mbps_1t": r.compress_mbps.get("1"), "compress_mbps_nt": _at(r, "compress_mbps", n),

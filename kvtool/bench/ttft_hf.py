@@ -56,6 +56,31 @@ class HFEngine:
         first, _ = self._prefill(tokens[restored.num_tokens :], past)
         return built - start, time.perf_counter() - built, first
 
+    def continuation_logits(self, restored: KVCache, tokens: Sequence[int]) -> Any:
+        """The model's next-token logits ``[len(tokens), vocab]`` (fp32 torch) over ``tokens`` fed after ``restored``."""
+        torch = self._torch
+        past = self._to_model_cache(restored)
+        ids = torch.tensor([list(tokens)])
+        logits = []
+        with torch.inference_mode():
+            for begin in range(0, ids.shape[1], self.prefill_chunk):
+                out = self.loaded.model(input_ids=ids[:, begin : begin + self.prefill_chunk], use_cache=True, **{self._cache_arg: past})
+                past = getattr(out, self._cache_arg)
+                logits.append(out.logits[0].float())
+        return torch.cat(logits)
+
+    def greedy(self, restored: KVCache, first: int, count: int) -> list[int]:
+        """``count`` tokens chosen greedily, one decode step at a time, after ``restored`` and then ``first``."""
+        torch = self._torch
+        past, token, chosen = self._to_model_cache(restored), first, []
+        with torch.inference_mode():
+            for _ in range(count):
+                out = self.loaded.model(input_ids=torch.tensor([[token]]), use_cache=True, **{self._cache_arg: past})
+                past = getattr(out, self._cache_arg)
+                token = int(out.logits[0, -1].argmax())
+                chosen.append(token)
+        return chosen
+
     def warm_up(self) -> None:
         self._prefill(list(range(100, 164)), None)
 

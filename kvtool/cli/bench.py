@@ -94,14 +94,17 @@ def _print_tables(report) -> None:
 
 def register(app: typer.Typer) -> None:
     from kvtool.cli._common import DefaultCommandGroup
+    from kvtool.cli.accuracy import accuracy
     from kvtool.cli.ttft import ttft
 
     group = typer.Typer(
         cls=DefaultCommandGroup,
         help="Benchmarks: `kvtool bench [FILE...]` compares recipes (the `compression` command); "
-        "`kvtool bench ttft` measures time to first token, restoring vs recomputing.",
+        "`kvtool bench ttft` measures time to first token, restoring vs recomputing; "
+        "`kvtool bench accuracy` measures what lossy recipes cost the model.",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     group.command("compression")(bench)
     group.command("ttft")(ttft)
+    group.command("accuracy")(accuracy)
     app.add_typer(group, name="bench")

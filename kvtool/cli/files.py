@@ -15,6 +15,7 @@ import typer
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
 from kvtool.cli._common import JSON_OPTION, distinct_output, existing_file, print_json, progress
+from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
@@ -35,7 +36,10 @@ MAX_LAYER_SELECTION = 1 << 16
 def compress(
     src: Path = typer.Argument(..., help="A KV cache (.safetensors) or any file."),
     dst: Path = typer.Argument(..., help="Output: a .kvz for a KV cache, a plain codec stream otherwise."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help=f"Recipe for a KV cache [default: {DEFAULT_RECIPE}]."),
+    recipe: Optional[str] = typer.Option(
+        None, "--recipe", "-r",
+        help=f"Recipe for a KV cache [default: {DEFAULT_RECIPE}]; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
+    ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
     chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
     threads: int = THREADS_OPTION,
@@ -60,6 +64,9 @@ def compress(
     parsed = Recipe.parse(recipe or DEFAULT_RECIPE)
     _require_available(parsed.codec, *parsed.plane_codecs.values())
     api.save(cache, dst, parsed, chunk_tokens=chunk_tokens, threads=threads or None, progress=True)
+    if parsed.lossy:
+        with container.open_kvz(dst) as reader:
+            typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
 
 
 def decompress(
@@ -71,12 +78,15 @@ def decompress(
     threads: int = THREADS_OPTION,
     max_size: str = MAX_SIZE_OPTION,
 ):
-    """Decompress a .kvz back into a safetensors cache (bit-exact), or a plain stream into its bytes."""
+    """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
     if container.is_kvz(src) and not codec:
         with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             cache = reader.read(parse_layers(layers), parse_tokens(tokens), threads or None, on_progress=bar.update)
+        if reader.lossy:  # the written cache keeps saying what it is
+            cache.provenance["lossy_recipe"] = reader.recipe.spec()
+            typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
         cache.save(dst)
         return
     if layers or tokens:
@@ -100,11 +110,12 @@ def verify(
     existing_file(src)
     with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
-        report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full}
+        report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
+        note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""
     if json_out:
         print_json(report)
     else:
-        typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}")
+        typer.echo(f"{src}: ok, {report['chunks']} chunks verified{' and decoded' if full else ''}{note}")
 
 
 def parse_layers(text: str | None) -> list[int] | None:

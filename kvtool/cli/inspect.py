@@ -46,11 +46,13 @@ def file_report(path: Path, pattern: str | None) -> dict[str, Any]:
 def kvz_report(reader: container.KvzReader, path: Path) -> dict[str, Any]:
     """Facts of a .kvz and its compression ratio overall, per layer, per K/V and per plane (from the index alone)."""
     heads, tokens, dim = reader.tensors[0][2] if reader.tensors else (0, 0, 0)
+    original = len(reader.tensors) * heads * tokens * dim * reader.dtype.itemsize
     return {
         "file": str(path),
         "type": KVZ_TYPE,
         "recipe": reader.recipe.spec(),
         "recipe_config": reader.recipe.to_config(),
+        "lossy": lossy_summary(reader),
         "model": reader.model.to_dict(),
         "layers": len(reader.layer_ids),
         "layer_ids": reader.layer_ids,
@@ -61,11 +63,48 @@ def kvz_report(reader: container.KvzReader, path: Path) -> dict[str, Any]:
         "token_start": reader.token_start,
         "chunk_tokens": reader.chunk_tokens,
         "chunks": len(reader.index),
+        "original_bytes": original,
         "file_bytes": path.stat().st_size,
         "provenance": reader.provenance,
         "metadata": reader.metadata,
-        "sizes": reader.sizes(),
+        "sizes": _with_original_bytes(reader.sizes(), original // max(len(reader.tensors), 1)),
     }
+
+
+def _with_original_bytes(sizes: dict[str, Any], tensor_bytes: int) -> dict[str, Any]:
+    """Sizes per K/V and per layer with the cache's own bytes (``original``) and the ratio taken from them.
+
+    A lossy stage leaves planes smaller than the tensors they stand for, so the
+    planes' raw bytes would understate what was saved; for a lossless recipe both agree.
+    """
+    for group, tensors_each in (("by_kind", None), ("by_layer", 2)):
+        for entry in sizes[group].values():
+            count = tensors_each or len(sizes["by_layer"])
+            entry["original"] = count * tensor_bytes
+            entry["ratio"] = entry["original"] / entry["stored"] if entry["stored"] else 1.0
+    return sizes
+
+
+def lossy_summary(reader: container.KvzReader) -> dict[str, Any] | None:
+    """A lossy .kvz's stage, and the error it measured when written: the largest, and per layer and K/V."""
+    if reader.lossy is None:
+        return None
+    errors = reader.lossy["error"]
+    return {
+        "stage": reader.recipe.layouts[0].spec(),
+        "max_abs": max((e["max_abs"] for e in errors), default=0.0),
+        "rel_rms": max((e["rel_rms"] for e in errors), default=0.0),
+        "error": errors,
+    }
+
+
+def lossy_note(reader: container.KvzReader) -> str:
+    """One line on what a lossy .kvz holds, for the commands that read or write one."""
+    summary = lossy_summary(reader)
+    return (
+        f"lossy recipe {reader.recipe.spec()!r}: the cache is an approximation "
+        f"(largest error {summary['max_abs']:.4g}; RMS error at most {100 * summary['rel_rms']:.3g}% of a tensor's RMS)"
+    )
 
 
 def raw_cache_report(cache: KVCache, path: Path) -> dict[str, Any]:
@@ -141,19 +180,33 @@ def print_kvz_report(report: dict[str, Any]) -> None:
     total = sizes["total"]
     typer.echo(f"{report['file']}: {report['type']}")
     typer.echo(f"  recipe      {report['recipe']}")
+    lossy = report["lossy"]
+    if lossy:
+        typer.echo(
+            f"  lossy       yes: stage {lossy['stage']}, largest error {lossy['max_abs']:.4g}, RMS error at most "
+            f"{100 * lossy['rel_rms']:.3g}% of a tensor's RMS (measured when written; per layer below)"
+        )
     typer.echo(
         f"  shape       {report['layers']} layers x K/V [{report['kv_heads']} heads, {report['tokens']} tokens, "
         f"{report['head_dim']} dims] {report['dtype']}, {report['chunks']} chunks of {report['chunk_tokens']} tokens"
     )
     typer.echo(f"  model       {report['model']['model_id']} ({report['model']['architecture']})")
     typer.echo(
-        f"  size        {format_size(total['raw'])} -> {format_size(report['file_bytes'])} on disk "
-        f"({format_size(total['stored'])} of chunks), ratio {total['raw'] / max(report['file_bytes'], 1):.3f}"
+        f"  size        {format_size(report['original_bytes'])} -> {format_size(report['file_bytes'])} on disk "
+        f"({format_size(total['stored'])} of chunks), ratio {report['original_bytes'] / max(report['file_bytes'], 1):.3f}"
     )
     for title, group in (("K/V", "by_kind"), ("plane", "by_plane"), ("layer", "by_layer")):
-        rows = [{title: name, "raw": v["raw"], "stored": v["stored"], "ratio": v["ratio"]} for name, v in sizes[group].items()]
+        size = "original" if group != "by_plane" else "raw"
+        rows = [{title: name, size: v[size], "stored": v["stored"], "ratio": v["ratio"]} for name, v in sizes[group].items()]
         typer.echo("")
-        print_table(rows, [title, "raw", "stored", "ratio"])
+        print_table(rows, [title, size, "stored", "ratio"])
+    if lossy:
+        typer.echo("\nerror of the lossy stage (max abs, RMS, RMS over the values' RMS)")
+        print_table(
+            [{"layer": e["layer"], "kv": str(e.get("kind", "")).upper(), "max abs": e["max_abs"], "rms": e["rms"],
+              "rel rms": e["rel_rms"]} for e in lossy["error"]],
+            ["layer", "kv", "max abs", "rms", "rel rms"],
+        )
 
 
 def register(app: typer.Typer) -> None:

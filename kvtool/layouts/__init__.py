@@ -1,5 +1,9 @@
 """Layouts: invertible, bit-exact reorderings of KV tensors, found through a registry.
 
+The registry also holds the lossy stages (``mant-round``, ``fp8``, ``int``; see
+``kvtool.layouts.lossy``): layouts with ``lossy`` set, which a recipe uses only
+when it names them.
+
 >>> import numpy as np
 >>> from kvtool.layouts import parse_layouts
 >>> from kvtool.layouts.base import PlaneSpec
@@ -31,6 +35,10 @@ registry: ComponentRegistry[Layout] = ComponentRegistry(
         "fp16-split": "kvtool.layouts.float_split:Fp16Split",
         "xor-delta": "kvtool.layouts.xor_delta:XorDelta",
         "sx-split": "kvtool.layouts.sign_exponent:SignExponentSplit",
+        # lossy, opt-in only (kvtool.layouts.lossy)
+        "mant-round": "kvtool.layouts.mant_round:MantRound",
+        "fp8": "kvtool.layouts.fp8:Fp8",
+        "int": "kvtool.layouts.int_quant:IntQuant",
     },
 )
 

@@ -45,11 +45,17 @@ class PlaneSpec:
 
 
 class Layout(Component, abc.ABC):
-    """An invertible transform of planes. Subclasses set ``layout_id`` and ``params``."""
+    """An invertible transform of planes. Subclasses set ``layout_id`` and ``params``.
+
+    A layout with ``lossy`` set is the exception: an opt-in stage whose inverse
+    gives back an approximation (``kvtool.layouts.lossy``).
+    """
 
     kind = "layout"
     id_attr = "layout_id"
     layout_id: ClassVar[str]
+    #: True for a stage whose ``inverse`` gives back an approximation of its input, not its bits.
+    lossy: ClassVar[bool] = False
 
     @abc.abstractmethod
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
@@ -62,6 +68,15 @@ class Layout(Component, abc.ABC):
     @abc.abstractmethod
     def inverse(self, planes: list[np.ndarray], inputs: list[PlaneSpec]) -> list[np.ndarray]:
         """Undo ``forward``: given its outputs and the specs of its inputs, return the inputs bit for bit."""
+
+    def for_kind(self, kind: str) -> "Layout":
+        """This layout as it applies to the keys (``"k"``) or the values (``"v"``) of a cache.
+
+        A container asks before it transforms a tensor; most layouts treat both
+        alike and return themselves. The planes ``plan`` predicts never depend on
+        the kind, so a reader knows every plane's size before it decodes one.
+        """
+        return self
 
     def axis_after(self, axis: int) -> int:
         """Where axis ``axis`` (negative, counted from the end) of an input plane lies in the outputs.

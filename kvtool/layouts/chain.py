@@ -22,6 +22,21 @@ class LayoutChain:
         self.layouts: tuple[Layout, ...] = tuple(layouts)
         self._spec = "|".join(layout.spec() for layout in self.layouts)
         self._plans: dict[tuple[PlaneSpec, ...], list[list[PlaneSpec]]] = {}
+        self._by_kind: dict[str, LayoutChain] = {}
+
+    @property
+    def lossy(self) -> bool:
+        """Whether any stage gives back an approximation instead of the input's bits."""
+        return any(layout.lossy for layout in self.layouts)
+
+    def for_kind(self, kind: str) -> "LayoutChain":
+        """The chain as it applies to keys (``"k"``) or values (``"v"``): itself unless a stage tells them apart."""
+        chain = self._by_kind.get(kind)
+        if chain is None:
+            bound = [layout.for_kind(kind) for layout in self.layouts]
+            same = all(b is layout for b, layout in zip(bound, self.layouts))
+            chain = self._by_kind[kind] = self if same else LayoutChain(bound)
+        return chain
 
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
         return list(self._stage_specs(inputs)[-1])

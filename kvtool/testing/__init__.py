@@ -17,7 +17,8 @@ from kvtool.testing.arraycodecs import ArrayCodecTests
 from kvtool.testing.codecs import CodecTests, require_available
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import LayoutTests
+from kvtool.testing.lossy import LossyLayoutTests
 from kvtool.testing.stores import BoundedStoreTests, SharedStoreTests, StoreTests
 
-__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "SharedStoreTests", "StoreTests",
-           "kv_like_bf16", "require_available"]
+__all__ = ["ArrayCodecTests", "BoundedStoreTests", "CodecTests", "LayoutTests", "LossyLayoutTests", "SharedStoreTests",
+           "StoreTests", "kv_like_bf16", "require_available"]

@@ -3,11 +3,12 @@
     python run_vllm.py SPEC.json
 
 SPEC: {"model": DIR, "store": URL or null (no connector), "overlap": true|false|null,
-       "prefix_caching": false, "max_tokens": 16,
-       "steps": [{"prompt_file": F, "suffix": S, "salt": null, "corrupt_dir": null}]}
-Each step's result line is ``RESULT {"tokens": [...], "seconds": ...}`` on stdout.
+       "recipe": null (the connector's default) or a recipe spec, "prefix_caching": false,
+       "max_tokens": 16, "steps": [{"prompt_file": F, "suffix": S, "salt": null, "corrupt_dir": null}]}
+Each step's result line is ``RESULT {"tokens": [...], "seconds": ...}`` on stdout
+(``vllm_cached_tokens``: the prompt tokens vLLM's own prefix cache supplied).
 ``corrupt_dir`` flips one byte in every stored entry under it before the step runs.
-vLLM's own prefix cache is off unless "prefix_caching" is true, so a reused
+vLLM's own prefix cache is off unless "prefix_caching" is set, so a reused
 prefix can only come from kvtool.
 Run with VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU build otherwise puts its
 scheduler and worker in two processes, which a file store cannot be shared by.
@@ -51,7 +52,8 @@ def main() -> None:
             "kv_connector_module_path": "kvtool.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": spec["store"], "overlap": spec.get("overlap")},
+            "kv_connector_extra_config": {"store": spec["store"], "overlap": spec.get("overlap"),
+                                          **({"recipe": spec["recipe"]} if spec.get("recipe") else {})},
         }
     llm = LLM(**options)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16))
@@ -63,7 +65,8 @@ def main() -> None:
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - start
-        result = {"tokens": list(out.outputs[0].token_ids), "prompt_tokens": len(out.prompt_token_ids), "seconds": seconds}
+        result = {"tokens": list(out.outputs[0].token_ids), "prompt_tokens": len(out.prompt_token_ids), "seconds": seconds,
+                  "vllm_cached_tokens": out.num_cached_tokens}
         print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -149,8 +149,9 @@ class KvtoolConnector(KVConnectorBase_V1):
                 "separate processes here: add a tier they share, e.g. "
                 f"'{url},file:///var/cache/kvtool' (or redis://), or run vLLM in one process"
             )
-        log.info("kvtool store %s (%s side), recipe %s, %d blocks per entry", store.describe(),
-                 self.role.name.lower(), self._namer.recipe, self._per_entry)
+        lossy = " (lossy: restored prefixes are approximations)" if Recipe.parse(self._namer.recipe).lossy else ""
+        log.info("kvtool store %s (%s side), recipe %s%s, %d blocks per entry", store.describe(),
+                 self.role.name.lower(), self._namer.recipe, lossy, self._per_entry)
         return store
 
     # ==== scheduler side ==================================================================

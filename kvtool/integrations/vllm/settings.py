@@ -19,7 +19,9 @@ def default_store() -> str:
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """``store``: a kvtool store URL list; ``recipe``: how entries are encoded;
+    """``store``: a kvtool store URL list; ``recipe``: how entries are encoded (a
+    lossy recipe such as ``int:8,group=64|zstd:3`` only when named here: its
+    entries are keyed apart from lossless ones and restore as approximations);
     ``chunk_tokens``: about how many tokens one store entry holds (rounded to
     whole vLLM blocks); ``model_id``: the name that keys the cache (default: the
     model vLLM was given; set it when several hosts load the same model from

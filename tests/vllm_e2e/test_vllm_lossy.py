@@ -1,0 +1,61 @@
+"""A lossy recipe in vLLM's CPU build: entries stored with it, restored in a fresh process, the output compared.
+
+The reference is vLLM's own prefix cache: one process runs the prompt, then
+the prompt with a suffix, whose prefix blocks come from vLLM's (lossless)
+prefix cache. With the kvtool connector set to a lossy recipe, one process
+saves the prompt's KV and a fresh one restores it for the prompt with the
+suffix. A lossy restore need not give the same tokens, so the test asserts
+that the prefix was restored from lossy entries, and measures and prints how
+far the greedy output agrees (run pytest with ``-s`` to see the line)::
+
+    .venv-vllm/bin/python -m pytest -s tests/vllm_e2e/test_vllm_lossy.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: create its environment with scripts/vllm-env.sh")
+
+from test_vllm_e2e import PROMPT, SUFFIX, model, restored_tokens, run_vllm  # noqa: E402,F401 (model: a fixture)
+
+from kvtool.container import KvzReader  # noqa: E402
+from kvtool.store import open_store  # noqa: E402
+
+#: A recipe at about 2.5x that BENCHMARKS.md measures (section "Lossy recipes").
+RECIPE = "int:6,group=64|zstd:3"
+MAX_TOKENS = 64
+
+
+def test_lossy_restore_against_vllm_prefix_cache(model, tmp_path) -> None:
+    warm, step = {"prompt_file": str(PROMPT)}, {"prompt_file": str(PROMPT), "suffix": SUFFIX}
+    (_, reference), _ = run_vllm(
+        tmp_path, {"model": str(model), "store": None, "prefix_caching": True, "max_tokens": MAX_TOKENS, "steps": [warm, step]},
+        multiprocessing=True,
+    )
+    assert reference["vllm_cached_tokens"] >= 1000  # the reference reused vLLM's own prefix cache
+
+    store_url = f"file://{tmp_path / 'store'}"
+    connector = {"model": str(model), "store": store_url, "recipe": RECIPE, "max_tokens": MAX_TOKENS}
+    _, log = run_vllm(tmp_path, {**connector, "steps": [warm]}, multiprocessing=False)
+    assert "(lossy: restored prefixes are approximations)" in log
+    store = open_store(store_url)
+    entries = [store.get(key) for key in store.keys()]
+    assert len(entries) >= 4
+    for blob in entries:
+        with KvzReader.from_bytes(blob) as reader:
+            assert reader.recipe.spec() == RECIPE and reader.lossy is not None
+    store.close()
+
+    (restored_run,), log = run_vllm(tmp_path, {**connector, "steps": [step]}, multiprocessing=False)
+    restored = restored_tokens(log)
+    assert restored and restored[0] >= 1000, log[-4000:]
+
+    ours, theirs = restored_run["tokens"], reference["tokens"]
+    assert len(ours) == len(theirs) == MAX_TOKENS
+    identical = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), MAX_TOKENS)
+    same = sum(a == b for a, b in zip(ours, theirs))
+    print(
+        f"\nlossy restore with {RECIPE}: {restored[0]} prompt tokens restored; greedy output identical to vLLM's "
+        f"prefix cache for {identical} of {MAX_TOKENS} tokens, {same} of {MAX_TOKENS} positions equal"
+    )
