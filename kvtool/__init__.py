@@ -24,7 +24,7 @@ _LAZY = {
     "DEFAULT_RECIPE": "kvtool.recipe",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY]  # noqa: PLE0604 - the keys of _LAZY: names
 
 
 def __getattr__(name: str):

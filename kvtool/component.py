@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtool.errors import UsageError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class Component:
@@ -25,18 +28,23 @@ class Component:
     def component_id(cls) -> str:
         return getattr(cls, cls.id_attr)
 
+    @classmethod
+    def config_id(cls) -> str:
+        """The id written into configs: the component's own, or the format's where several ids share one."""
+        return cls.component_id()
+
     def get_config(self) -> dict[str, Any]:
-        return {"id": self.component_id(), **{name: getattr(self, name) for name in self.params}}
+        return {"id": self.config_id(), **{name: getattr(self, name) for name in self.params}}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]):
+    def from_config(cls, config: dict[str, Any]) -> Self:
         unknown = set(config) - {"id", *cls.params}
         if unknown:
             raise UsageError(f"{cls.kind} {cls.component_id()!r} has no parameter {', '.join(sorted(unknown))}")
         return cls(**{k: v for k, v in config.items() if k != "id"})
 
     @classmethod
-    def from_spec_arg(cls, arg: str):
+    def from_spec_arg(cls, arg: str) -> Self:
         """Build from the text after ``ID:`` in a spec (``zstd:3``, ``xor-delta:-1``)."""
         if cls.spec_param is None:
             raise UsageError(f"{cls.kind} {cls.component_id()!r} takes no ':' argument")

@@ -24,19 +24,25 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import xxhash
 
 from kvtool._native import JOB_DTYPE, JOB_STORED_RAW, xxh3_64
 from kvtool._native.batch import BatchCodec
-from kvtool.cache import AXES, KVCache, ModelFacts, dtype_of
+from kvtool.cache import KVCache
+from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, KvtoolError, OutputTooLargeError, UsageError
+from kvtool.facts import AXES, ModelFacts
 from kvtool.fileio import atomic_write, open_regular
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import measured_error
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
+from kvtool.tokens import token_range
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 MAGIC = b"\x89KVZ\r\n\x1a\n"
 END_MAGIC = b"KVZ-END\n"
@@ -195,7 +201,7 @@ def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, in
     else:
         specs = recipe.plan(PlaneSpec.of(block.array))
         stored_planes = [recipe.codec_for(spec.name).encode(_plane_bytes(p)) for spec, p in zip(specs, planes)]
-    out = []
+    out: list[tuple[int, int, int, int, bytes | memoryview]] = []
     for plane, stored in zip(planes, stored_planes):
         raw = _plane_bytes(plane)
         raw_hash = xxh3_64(raw)
@@ -207,7 +213,7 @@ def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, in
 
 
 def _plane_bytes(plane: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(plane).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(plane).reshape(-1).view(np.uint8).data
 
 
 def _map_bounded(fn, items: Iterable, threads: int | None) -> Iterator[tuple[Any, Any]]:
@@ -367,7 +373,7 @@ class KvzReader:
     def from_bytes(cls, data: bytes | bytearray | memoryview, max_size: int = DEFAULT_MAX_SIZE) -> "KvzReader":
         return cls(_BytesSource(data), max_size=max_size)
 
-    def __enter__(self) -> "KvzReader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -559,15 +565,15 @@ class KvzReader:
         largest = max((nbytes for *_, nbytes in expected), default=0)
         if largest > self.max_size:
             self._fail(OutputTooLargeError, f"a chunk would decode to {largest} bytes, over the limit of {self.max_size}")
-        self._rows = {}
+        self._rows: dict[tuple[int, int], list[int]] = {}
         for row, (t, _, start, _, _) in enumerate(expected):
             self._rows.setdefault((t, start), []).append(row)
 
     def _check_read_size(self, layers: Sequence[int] | None, tokens: slice | None) -> None:
         """Refuse, before anything is allocated, a read whose result would exceed ``max_size``."""
         n_layers = len(self.layer_ids) if layers is None else len(layers)
-        start, stop, _ = (tokens or slice(None)).indices(self.num_tokens)
-        nbytes = 2 * n_layers * self._heads * max(stop - start, 0) * self._dim * self.dtype.itemsize
+        start, stop = token_range(tokens, self.num_tokens)
+        nbytes = 2 * n_layers * self._heads * (stop - start) * self._dim * self.dtype.itemsize
         if nbytes > self.max_size:
             self._fail(OutputTooLargeError, f"the cache read would be {nbytes} bytes, over the limit of {self.max_size}")
 
@@ -577,7 +583,7 @@ class KvzReader:
         tokens = int(self.index[rows[0]]["token_count"])
         block_spec = PlaneSpec("data", (self._heads, tokens, self._dim), self.dtype.numpy)
         specs = self.planes_for(tokens)
-        planes = []
+        planes: list[np.ndarray] = []
         for row, spec in zip(rows, specs):
             entry = self.index[row]
             stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
@@ -586,6 +592,8 @@ class KvzReader:
             if entry["flags"] & FLAG_STORED_RAW:
                 planes.append(np.frombuffer(stored, dtype=spec.dtype).reshape(spec.shape))
                 continue  # its checksum, just verified, is the raw checksum too
+            raw: bytes | np.ndarray
+            plane: np.ndarray | None
             try:
                 if self.recipe.array_codec is not None:
                     plane = self.recipe.array_codec.decode_array(stored, spec.shape, spec.dtype)
@@ -597,6 +605,7 @@ class KvzReader:
                 self._fail(KvzCorruptError, f"chunk {row} does not decode: {exc}")
             if len(raw) != entry["raw_len"] or xxh3_64(raw) != int(entry["raw_xxh3"]):
                 self._fail(KvzCorruptError, f"chunk {row} decodes to different bytes than were written")
+            assert plane is not None  # a raw length other than the plane's failed the check above
             planes.append(plane)
         return self.recipe.layouts.for_kind(self.tensors[tensor][1]).inverse(planes, [block_spec])[0]
 
@@ -616,10 +625,7 @@ class KvzReader:
         missing = [l for l in wanted if l not in self.layer_ids]
         if missing:
             raise UsageError(f"{self.name}: no layers {missing} (it holds {self.layer_ids})")
-        start, stop, step = (tokens or slice(None)).indices(self.num_tokens)
-        if step != 1:
-            raise UsageError("token ranges must be contiguous")
-        stop = max(start, stop)
+        start, stop = token_range(tokens, self.num_tokens)
         positions = [2 * self.layer_ids.index(layer) + kv for layer in wanted for kv in (0, 1)]
         arena = np.empty((len(positions), self._heads if self.tensors else 0, stop - start, self._dim if self.tensors else 0), self.dtype.numpy)
         first = start - start % self.chunk_tokens
@@ -740,17 +746,24 @@ class KvzReader:
             self._fail(KvzCorruptError, str(exc))
 
     def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
-        """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum."""
+        """Check every chunk's checksum; with ``full``, also decode every chunk and check its raw checksum.
+
+        Each chunk is read once: a full check decodes block by block, which checks
+        the stored checksum of each chunk before decoding it.
+        """
+        if full:
+            for t in range(len(self.tensors)):
+                for start in range(0, self.num_tokens, self.chunk_tokens):
+                    self._decode_block(t, start)
+                    if on_progress:
+                        on_progress(sum(int(self.index[row]["raw_len"]) for row in self._rows[(t, start)]))
+            return
         for row, entry in enumerate(self.index):
             stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
             if xxhash.xxh3_64_intdigest(stored) != int(entry["stored_xxh3"]):
                 self._fail(KvzCorruptError, f"checksum mismatch in chunk {row}")
             if on_progress:
                 on_progress(int(entry["raw_len"]))
-        if full:
-            for t in range(len(self.tensors)):
-                for start in range(0, self.num_tokens, self.chunk_tokens):
-                    self._decode_block(t, start)
 
     def sizes(self) -> dict[str, Any]:
         """Raw and stored bytes per layer, per K/V and per plane, from the index alone."""

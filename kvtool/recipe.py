@@ -116,7 +116,7 @@ class Recipe:
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Recipe":
+    def from_config(cls, config: Any) -> "Recipe":
         if not isinstance(config, dict) or not isinstance(config.get("layouts"), list):
             raise UsageError("a recipe config needs a 'layouts' list and a 'codec'")
         plane_codecs = config.get("plane_codecs", {})

@@ -4,20 +4,25 @@ Built-in components are named by import path and imported only when first asked
 for, so ``import kvtool`` never pulls in an optional library. Third parties add
 components through an entry-point group (``kvtool.codecs``, ``kvtool.layouts``,
 ``kvtool.stores``) with one line in their packaging metadata; entry points are
-listed by name at first use and imported only when looked up.
+listed by name at first use and imported only when looked up. A package that
+claims a built-in id is ignored with a warning: built-ins win, so installing it
+cannot change how existing files decode.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Generic, TypeVar
 
+from kvtool.component import Component
 from kvtool.errors import DuplicateIdError, UnavailableError, UnknownIdError, UsageError
 
-T = TypeVar("T")
+T = TypeVar("T")  # what the registered classes make: Codec, Layout, Store
+C = TypeVar("C", bound=Component)
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,7 @@ class _Entry:
 
 
 class Registry(Generic[T]):
-    """Maps ids to lazily imported classes.
+    """Maps ids to lazily imported classes whose instances are ``T``.
 
     ``builtins`` maps an id to ``"module:attr"`` or ``("module:attr", extra)``
     where ``extra`` names the kvtool extra whose packages the module imports.
@@ -39,14 +44,14 @@ class Registry(Generic[T]):
         self.group = group
         self._entries: dict[str, _Entry] = {}
         self._ambiguous: dict[str, list[str]] = {}
-        self._loaded: dict[str, T] = {}
+        self._loaded: dict[str, type[T]] = {}
         self._discovered = False
         self._lock = threading.Lock()
         for id_, target in builtins.items():
             path, extra = (target, None) if isinstance(target, str) else target
             self._entries[id_] = _Entry(path, "kvtool", extra)
 
-    def register(self, id_: str, obj: T) -> None:
+    def register(self, id_: str, obj: type[T]) -> None:
         """Register an already imported class under ``id_`` (for tests and scripts)."""
         self._discover()
         if id_ in self._entries or id_ in self._loaded:
@@ -58,7 +63,7 @@ class Registry(Generic[T]):
         self._discover()
         return sorted(set(self._entries) | set(self._loaded) | set(self._ambiguous))
 
-    def get(self, id_: str) -> T:
+    def get(self, id_: str) -> type[T]:
         """The class registered as ``id_``, imported on first use."""
         self._discover()
         if id_ in self._loaded:
@@ -79,21 +84,7 @@ class Registry(Generic[T]):
                 self._loaded[id_] = self._import(id_, entry)
         return self._loaded[id_]
 
-    def build(self, spec: str):
-        """An instance from a spec: ``ID`` or ``ID:ARG`` (``zstd:19``, ``xor-delta:-1``)."""
-        id_, sep, arg = spec.strip().partition(":")
-        if not id_:
-            raise UsageError(f"empty {self.kind} spec {spec!r}")
-        cls = self.get(id_)
-        return cls.from_spec_arg(arg) if sep else cls()
-
-    def from_config(self, config: Any):
-        """An instance rebuilt from its ``get_config()`` output, through this registry only."""
-        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
-            raise UsageError(f"a {self.kind} config must be an object with a string 'id', not {config!r}")
-        return self.get(config["id"]).from_config(config)
-
-    def _import(self, id_: str, entry: _Entry) -> T:
+    def _import(self, id_: str, entry: _Entry) -> type[T]:
         module_name, _, attr = entry.target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -111,10 +102,34 @@ class Registry(Generic[T]):
             for ep in metadata.entry_points(group=self.group):
                 origin = ep.dist.name if ep.dist else "unknown"
                 known = self._entries.get(ep.name)
-                if known is None:
+                if known is not None and known.origin == "kvtool" and known.target != ep.value:
+                    warnings.warn(
+                        f"{origin} registers {self.kind} {ep.name!r} ({ep.value}) under {self.group!r}, "
+                        f"but {ep.name!r} is built into kvtool; the built-in is used",
+                        stacklevel=2,
+                    )
+                elif known is None:
                     self._entries[ep.name] = _Entry(ep.value, origin)
                 elif known.target != ep.value:
                     self._ambiguous.setdefault(ep.name, [known.origin]).append(origin)
             for id_ in self._ambiguous:
                 self._entries.pop(id_, None)
             self._discovered = True
+
+
+class ComponentRegistry(Registry[C]):
+    """A registry of components (codecs, layouts), which are also built from specs and configs."""
+
+    def build(self, spec: str) -> C:
+        """An instance from a spec: ``ID`` or ``ID:ARG`` (``zstd:19``, ``xor-delta:-1``)."""
+        id_, sep, arg = spec.strip().partition(":")
+        if not id_:
+            raise UsageError(f"empty {self.kind} spec {spec!r}")
+        cls = self.get(id_)
+        return cls.from_spec_arg(arg) if sep else cls()
+
+    def from_config(self, config: Any) -> C:
+        """An instance rebuilt from its ``get_config()`` output, through this registry only."""
+        if not isinstance(config, dict) or not isinstance(config.get("id"), str):
+            raise UsageError(f"a {self.kind} config must be an object with a string 'id', not {config!r}")
+        return self.get(config["id"]).from_config(config)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 
 
 def entropy_of_counts(counts: np.ndarray) -> np.ndarray:
@@ -48,22 +48,25 @@ def exponents(array: np.ndarray) -> np.ndarray:
     return sign_exponent(array) & ((1 << dtype.exponent_bits) - 1)
 
 
-def sign_exponent_entropy_per_channel(array: np.ndarray, token_axis: int = -2) -> np.ndarray:
-    """Entropy of the (sign, exponent) symbol over the tokens of each channel, bits per value.
+def per_channel_entropy(symbols: np.ndarray, alphabet: int, token_axis: int = -2) -> np.ndarray:
+    """Entropy in bits of each channel's symbols (integers below ``alphabet``) over the tokens.
 
     For a ``[heads, tokens, dim]`` block the result is ``[heads, dim]``: what a
-    coder with one table per channel needs for those fields.
+    coder with one table per channel needs per value.
     """
-    dtype = dtype_of(array)
-    symbols = np.moveaxis(sign_exponent(array), token_axis, -1)
-    channels = symbols.shape[:-1]
-    if symbols.size == 0:
+    moved = np.moveaxis(symbols, token_axis, -1)
+    channels = moved.shape[:-1]
+    if moved.size == 0:
         return np.zeros(channels)
-    alphabet = 1 << (1 + dtype.exponent_bits)
-    codes = symbols.reshape(-1, symbols.shape[-1]).astype(np.intp)
+    codes = moved.reshape(-1, moved.shape[-1]).astype(np.intp)
     codes += (np.arange(codes.shape[0], dtype=np.intp) * alphabet)[:, None]
     counts = np.bincount(codes.reshape(-1), minlength=codes.shape[0] * alphabet)
     return entropy_of_counts(counts.reshape(-1, alphabet)).reshape(channels)
+
+
+def sign_exponent_entropy_per_channel(array: np.ndarray, token_axis: int = -2) -> np.ndarray:
+    """Entropy of the (sign, exponent) symbol over the tokens of each channel, bits per value."""
+    return per_channel_entropy(sign_exponent(array), 1 << (1 + dtype_of(array).exponent_bits), token_axis)
 
 
 def exponent_summary(array: np.ndarray, top: int = 3) -> dict:

@@ -233,3 +233,15 @@ def test_read_rows_of_a_cache_without_tokens_places_nothing(small, recipe):
     with container.KvzReader.from_bytes(encode_cache(empty, recipe)) as reader:
         reader.read_rows([target], np.zeros((6, 3, 0), np.int64), [0] * 6)
     assert (target == 7).all()
+
+
+@pytest.mark.parametrize("recipe", ["byteplane|zstd:1", "exphuff"])
+def test_full_verify_reads_each_chunk_once(small, tmp_path, recipe):
+    path = tmp_path / "c.kvz"
+    container.save(small, path, recipe, chunk_tokens=16)
+    with container.open_kvz(path) as reader:
+        before = reader._source.bytes_read
+        progress = []
+        reader.verify(full=True, on_progress=progress.append)
+        assert reader._source.bytes_read - before == int(reader.index["stored_len"].sum())
+        assert sum(progress) == int(reader.index["raw_len"].sum())

@@ -1,4 +1,4 @@
-"""The qat and isal codecs speak plain gzip: with each other, gzip(1), Python's gzip and the CLI.
+"""gzip, and qat and isal forcing its QATzip and ISA-L encoders: plain gzip for each other, gzip(1), Python's gzip and the CLI.
 
 Tests that encode through QATzip are skipped, with the reason, where libqatzip is
 missing (scripts/install-qatzip.sh installs it); decoding needs no QATzip and is
@@ -54,7 +54,7 @@ def _count_members(blob: bytes) -> int:
 
 
 @needs_gzip
-@pytest.mark.parametrize("spec", ["qat", "qat:9", "isal:0", "isal:3"])
+@pytest.mark.parametrize("spec", ["gzip", "gzip:9", "qat", "qat:9", "isal:0", "isal:3"])
 def test_output_is_plain_gzip(spec: str, data: bytes):
     require_available(spec)
     encoded = get_codec(spec).encode(data)
@@ -159,7 +159,7 @@ def test_missing_library_is_unavailable_but_decode_works(tmp_path: Path):
     assert str(missing) in report["reason"] and _qatzip.ENV_VAR in report["reason"]
     assert report["decoded"] is True
     assert report["encode_error"] and str(missing) in report["encode_error"]
-    assert report["details"] == {"library": None, "library_version": None, "hardware": False}
+    assert report["details"] == {"encoder": "qat", "library": None, "library_version": None, "hardware": False}
 
 
 def test_software_fallback_does_not_exhaust_thread_keys():
@@ -203,3 +203,95 @@ def test_spent_budget_writes_the_same_format(monkeypatch, caplog):
     assert lib.software_calls == _qatzip.SOFTWARE_CALL_BUDGET  # QATzip was not called
     assert gzip.decompress(encoded) == data
     assert "leaks a thread key" in caplog.text
+
+
+# --- one format id: gzip -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["gzip:1", "qat:1", "isal:1"])
+def test_every_gzip_encoder_writes_the_gzip_id(spec: str, data: bytes):
+    require_available(spec)
+    from kvtool.codecs import codec_from_config
+    from kvtool.codecs.gzip import GzipCodec
+
+    codec = get_codec(spec)
+    assert codec.get_config() == {"id": "gzip", "level": 1}
+    rebuilt = codec_from_config(codec.get_config())
+    assert type(rebuilt) is GzipCodec and rebuilt == codec
+    assert rebuilt.decode(codec.encode(data), max_size=len(data)) == data
+
+
+def test_qat_and_isal_configs_of_older_files_still_decode(data: bytes):
+    from kvtool.codecs import codec_from_config
+
+    blob = gzip.compress(data, compresslevel=1)
+    for config in ({"id": "qat", "level": 1, "hw_buffer_size": 65536}, {"id": "isal", "level": 3}):
+        codec = codec_from_config(config)
+        assert codec.decode(blob, max_size=len(data)) == data
+        assert codec.get_config()["id"] == "gzip"
+
+
+def test_gzip_encodes_with_the_fastest_encoder_here_and_says_which():
+    from kvtool.codecs.gzip import GzipCodec
+
+    rows = {row["id"]: row for row in json.loads(CliRunner().invoke(app, ["codecs", "--json"]).stdout)}
+    try:
+        hardware = _qatzip.load().hardware
+    except Exception:
+        hardware = False
+    try:
+        import isal  # noqa: F401
+
+        expected = "qat" if hardware else "isal"
+    except ImportError:
+        expected = "qat" if hardware else "zlib"
+    assert rows["gzip"]["available"] and rows["gzip"]["encoder"] == expected == GzipCodec.details()["encoder"]
+    assert {"qat": "QAT hardware", "isal": "ISA-L", "zlib": "zlib"}[expected] in rows["gzip"]["implementation"]
+
+
+# --- QATzip's software-fallback workarounds ------------------------------------------
+
+
+ENCODE_THREE_TIMES = """
+import sys, threading
+from kvtool.codecs import get_codec
+codec = get_codec("qat")
+if sys.argv[1] == "second thread":
+    stop = threading.Event()
+    threading.Thread(target=stop.wait).start()
+for _ in range(3):
+    codec.encode(b"x" * 1000)
+if sys.argv[1] == "second thread":
+    stop.set()
+print("hardware" if __import__("kvtool.codecs._qatzip").codecs._qatzip.load().hardware else "software")
+"""
+
+
+@pytest.mark.parametrize("setting, threads, filtered", [
+    ("", "one thread", True), ("", "second thread", False), ("0", "one thread", False), ("1", "second thread", True),
+])
+def test_stderr_is_redirected_only_when_safe_or_asked(setting: str, threads: str, filtered: bool):
+    """Pointing fd 2 elsewhere hides other threads' stderr: done alone, or when asked for."""
+    require_available("qat")
+    env = {**os.environ, _qatzip.FILTER_ENV_VAR: setting}
+    proc = subprocess.run([sys.executable, "-c", ENCODE_THREE_TIMES, threads], env=env, capture_output=True, text=True, check=True)
+    if proc.stdout.strip() == "hardware":
+        pytest.skip("a QAT device: no software fallback, nothing printed")
+    noisy = proc.stderr.count(_qatzip._PROBE_NOISE.decode())
+    assert (noisy == 0) if filtered else (noisy >= 3), proc.stderr
+
+
+def test_thread_keys_are_reclaimed_only_for_the_known_library_version():
+    require_available("qat")
+    lib = _qatzip.load()
+    assert _qatzip._KeyReclaimer.attach(lib._cdll, "1.3.0") is None
+    assert _qatzip._KeyReclaimer.attach(lib._cdll, None) is None
+    if lib.hardware:
+        return
+    fixes = lib.workarounds()
+    if lib.version == _qatzip.RECLAIM_VERSION and lib._reclaimer is not None:
+        assert fixes["thread_keys"].startswith("deleted after each call")
+    else:
+        assert lib._reclaimer is None and f"zlib after {_qatzip.SOFTWARE_CALL_BUDGET} calls" in fixes["thread_keys"]
+    rows = {row["id"]: row for row in json.loads(CliRunner().invoke(app, ["codecs", "--json"]).stdout)}
+    assert rows["qat"]["thread_keys"] == fixes["thread_keys"] and "stderr filter" in rows["qat"]["implementation"]

@@ -11,18 +11,20 @@ per-chunk path, which writes the same bytes.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvtool import _native
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
 
 
 @dataclass(frozen=True)
 class BatchCodec:
-    core: object
+    core: ModuleType  # the compiled extension
     dtype_code: int
     coded: bool  # exphuff; otherwise every chunk is the block's bytes as they are
 

@@ -43,9 +43,9 @@ FAMILIES = {
 
 def huffman_lengths(count: np.ndarray) -> np.ndarray:
     """Code lengths (0 = unused) for 256 symbol counts, exactly as kvn_huf_lengths computes them."""
-    count = [int(c) for c in count]
+    counts = [int(c) for c in count]
     length = np.zeros(256, np.uint8)
-    leaves = sorted((c, s) for s, c in enumerate(count) if c)  # by count, then symbol
+    leaves = sorted((c, s) for s, c in enumerate(counts) if c)  # by count, then symbol
     n = len(leaves)
     if n == 0:
         return length
@@ -217,7 +217,7 @@ def encode(block: np.ndarray, dtype_name: str) -> bytes:
     return head[:1] + bytes([MODE_CODED]) + head[1:] + table + sizes + b"".join(streams)
 
 
-def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, int]) -> np.ndarray:
+def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The block an exphuff chunk holds, as unsigned integers of the dtype's width; ``DecodeError`` if malformed."""
     family = FAMILIES[dtype_name]
     heads, tokens, dim = shape
@@ -238,7 +238,7 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     else:
         sym = _decode_symbols(rest, n)
     shifted = (refs.reshape(heads, 1, dim) << family.eshift).astype(np.uint8)
-    sym = sym.reshape(shape)
+    sym = sym.reshape(shape)  # type: ignore[assignment]  # numpy's stubs cannot follow a reshape to 3 axes
     keep = np.uint8(~family.emask & 0xFF)
     coded = (sym & keep) | ((sym + shifted) & np.uint8(family.emask))
     return _rebuild(coded, raw, family)

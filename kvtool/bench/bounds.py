@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtool._native import ctxans_reference
-from kvtool.cache import DType, KVCache, dtype_of
+from kvtool.cache import KVCache
+from kvtool.dtypes import DType, dtype_of
 from kvtool.modeldict.train import CONTEXTS, default_context_map
-from kvtool.stats import entropy_of_counts, sign_exponent_entropy_per_channel
+from kvtool.stats import entropy_of_counts, per_channel_entropy, sign_exponent_entropy_per_channel
 
 LIMITS = ("values", "byte_planes", "sign_exp_per_channel", "fields_per_channel", "sign_level_per_channel",
           "sign_level_context")
@@ -90,10 +91,12 @@ class _Bits:
             return {name: None for name in LIMITS}
         raw = 8 * self.dtype.itemsize * self.values
         mantissa_raw = self.dtype.mantissa_bits * self.values
+        value_counts, byte_counts = self.value_counts, self.byte_counts
+        assert byte_counts is not None  # set by the first add()
         out = {
-            "values": raw / (float(entropy_of_counts(self.value_counts)) * self.values)
-            if self.value_counts is not None else None,
-            "byte_planes": raw / (float(entropy_of_counts(self.byte_counts).sum()) * self.values),
+            "values": raw / (float(entropy_of_counts(value_counts)) * self.values)
+            if value_counts is not None else None,
+            "byte_planes": raw / (float(entropy_of_counts(byte_counts).sum()) * self.values),
             "sign_exp_per_channel": raw / (self.sign_exp_bits + mantissa_raw),
             "fields_per_channel": raw / (self.sign_exp_bits + self.mantissa_bits)
             if self.dtype.mantissa_bits <= 16 else None,
@@ -101,18 +104,6 @@ class _Bits:
             "sign_level_context": raw / self.context_bits,
         }
         return {name: (round(v, 4) if v is not None and np.isfinite(v) else None) for name, v in out.items()}
-
-
-def per_channel_entropy(symbols: np.ndarray, alphabet: int, token_axis: int = -2) -> np.ndarray:
-    """Entropy in bits of each channel's symbols over the tokens; ``[heads, dim]`` for ``[heads, tokens, dim]``."""
-    moved = np.moveaxis(symbols, token_axis, -1)
-    channels = moved.shape[:-1]
-    codes = moved.reshape(-1, moved.shape[-1]).astype(np.int64)
-    if codes.size == 0:
-        return np.zeros(channels)
-    codes += (np.arange(codes.shape[0], dtype=np.int64) * alphabet)[:, None]
-    counts = np.bincount(codes.reshape(-1), minlength=codes.shape[0] * alphabet)
-    return entropy_of_counts(counts.reshape(-1, alphabet)).reshape(channels)
 
 
 def level_symbol_bits(array: np.ndarray) -> tuple[float, float]:

@@ -145,11 +145,11 @@ def measure(
     )
     gigabytes = cache.nbytes / 1e9
     for n in sorted({1, threads}):
-        wall, cpu = _best(lambda: write_cache(_CountingSink(), cache, recipe, chunk_tokens, threads=n), repeat)
+        wall, cpu = _best(lambda n=n: write_cache(_CountingSink(), cache, recipe, chunk_tokens, threads=n), repeat)
         result.compress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.compress_cpu_s_per_gb = round(cpu / gigabytes, 3)
-        wall, cpu = _best(lambda: _decode(blob, n), repeat)
+        wall, cpu = _best(lambda n=n: _decode(blob, n), repeat)
         result.decompress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.decompress_cpu_s_per_gb = round(cpu / gigabytes, 3)

@@ -18,7 +18,7 @@ import numpy as np
 from kvtool.cache import KVCache
 
 #: A peer: how to build (compress, decompress) for a dtype, or why it cannot run.
-Codec = tuple[Callable[[bytes], object], Callable[[object], object]]
+Codec = tuple[Callable[[bytes], object], Callable[..., object]]
 
 
 @dataclass(frozen=True)

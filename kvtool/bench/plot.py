@@ -53,7 +53,7 @@ def plot(report: Report, out: Path) -> None:
             ax.scatter([x], [y], s=36, color="0.55" if baseline else "C0", zorder=3)
             ax.annotate(label(r), (x, y), xytext=(5, 6 if i % 2 else -11), textcoords="offset points",
                         fontsize=7, color="0.35" if baseline else "black")
-        front = pareto([(r.compress_mbps["1"], r.ratio) for r in ok])
+        front = pareto([(r.compress_mbps["1"], r.ratio) for r in ok if r.ratio is not None])  # every OK result has one
         if len(front) > 1:
             ax.plot(*zip(*front), color="C1", lw=1.2, zorder=2, label="Pareto front")
         for j, name in enumerate(SHOWN_LIMITS):

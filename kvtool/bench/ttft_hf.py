@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvtool.cache import DTYPES, KVCache
+from kvtool.cache import KVCache
 from kvtool.sources import hf
 
 CACHE_DTYPE = "bf16"
@@ -97,9 +97,10 @@ class HFEngine:
 
     def _to_kvcache(self, past: Any) -> KVCache:
         torch = self._torch
+        from kvtool.torchbits import to_numpy
 
         def bf16(t):
-            return t[0].to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(DTYPES[CACHE_DTYPE].numpy)
+            return to_numpy(t[0].to(torch.bfloat16).contiguous())
 
         layers = past.layers
         return KVCache([bf16(layer.keys) for layer in layers], [bf16(layer.values) for layer in layers], self.loaded.facts)
@@ -108,8 +109,10 @@ class HFEngine:
         torch = self._torch
         from transformers import DynamicCache
 
+        from kvtool.torchbits import from_numpy
+
         def fp32(a: np.ndarray):
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(torch.float32).unsqueeze(0)
+            return from_numpy(a, torch.bfloat16).to(torch.float32).unsqueeze(0)
 
         data = [(fp32(k), fp32(v)) for k, v in zip(cache.keys, cache.values)]
         return DynamicCache(ddp_cache_data=data, config=self.loaded.model.config)

@@ -56,7 +56,7 @@ class VLLMEngine:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
         try:
-            done = subprocess.run([self.python, "-m", "kvtool.bench.ttft_vllm", f.name], capture_output=True, text=True, env=env)
+            done = subprocess.run([self.python, "-m", "kvtool.bench.ttft_vllm", f.name], capture_output=True, text=True, env=env, check=False)
         finally:
             os.unlink(f.name)
         rows = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -16,7 +16,7 @@ def codec_report() -> list[dict]:
             cls = registry.get(id_)
             avail = cls.available()
             row = {"id": id_, "available": avail.ok, "implementation": avail.implementation, "reason": avail.reason}
-            row.update(getattr(cls, "details", lambda: {})())
+            row.update(getattr(cls, "details", dict)())
         except KvtoolError as exc:
             row = {"id": id_, "available": False, "implementation": "", "reason": str(exc)}
         rows.append(row)

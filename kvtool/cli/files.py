@@ -187,7 +187,7 @@ def _not_a_kv_cache(path: Path) -> str | None:
     try:
         with safe_open(str(path), framework="numpy") as f:
             tag = (f.metadata() or {}).get("kvtool.format")
-    except Exception as exc:  # safetensors raises its own types: a plain file, or a damaged one
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types: a plain file, or a damaged one
         return f"not a readable safetensors file: {str(exc)[:120]}"
     if tag == REORDERED_TAG:
         return "a cache's planes written by `kvtool reorder`; `kvtool reorder SRC OUT --inverse` rebuilds the cache"

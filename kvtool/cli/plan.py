@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from kvtool import plan as model
+from kvtool import costmodel as model
 from kvtool.cli._common import JSON_OPTION, Command, decimals_for, existing_file, print_json, print_table
 from kvtool.errors import UsageError
 from kvtool.units import format_size
@@ -157,12 +157,12 @@ def _tier(text: str) -> model.Tier:
     return model.Tier(parts[0], values[0] * GB, (values[1] if len(values) > 1 else 0.0) / 1e3)
 
 
-def _codec(text: str) -> model.Codec:
+def _codec(text: str) -> model.CodecCost:
     parts = text.rsplit(":", 2)
     if len(parts) != 3:
         raise UsageError(f"--codec {text!r}: write NAME:RATIO:DECODE_GB_PER_S")
     ratio, rate = _floats(",".join(parts[1:]), 2, "--codec")
-    return model.Codec(parts[0], ratio, rate * GB)
+    return model.CodecCost(parts[0], ratio, rate * GB)
 
 
 def _floats(text: str, count: int, option: str) -> list[float]:

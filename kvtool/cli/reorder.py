@@ -96,7 +96,7 @@ def restore(path: Path) -> KVCache:
     check_regular(path)
     try:
         handle = safe_open(str(path), framework="numpy")
-    except Exception as exc:  # safetensors raises its own types for bad headers
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types for bad headers
         raise DecodeError(f"{path}: not a readable safetensors file ({exc})") from None
     with handle as f:
         meta = f.metadata() or {}

@@ -16,7 +16,20 @@ Where the library comes from, first match wins:
 4. In a source checkout, ``<repo>/.local/qatzip/usr/lib/*/``, where that script unpacked it before.
 
 Sessions are opened with software backup, so without a QAT device QATzip
-compresses in software (zlib) and still writes its own gzip format.
+compresses in software (zlib) and still writes its own gzip format. That
+fallback has two flaws kvtool works around, each only where it is safe:
+
+- It leaks a pthread key per call. With libqatzip 1.3.1 exactly, whose private
+  ``g_process`` layout is known (and its size is confirmed by ``nm -D``), the
+  key is deleted after each call (``_KeyReclaimer``); with any other version a
+  process stops calling the fallback after ``SOFTWARE_CALL_BUDGET`` calls.
+- libqat prints "Cannot open /dev/vfio" on every call. Dropping that line means
+  pointing file descriptor 2 at a temporary file during the call, which hides
+  every other thread's stderr meanwhile, so it is done only when the caller is
+  the process's only Python thread, or when ``KVTOOL_QATZIP_FILTER_STDERR=1``
+  asks for it (``0`` turns it off).
+
+``kvtool codecs`` reports which of them run (``Library.workarounds``).
 """
 
 from __future__ import annotations
@@ -40,6 +53,8 @@ from kvtool.errors import KvtoolError, UnavailableError
 from kvtool.paths import data_home, source_checkout
 
 ENV_VAR = "KVTOOL_QATZIP_LIB"
+FILTER_ENV_VAR = "KVTOOL_QATZIP_FILTER_STDERR"  # "1": always, "0": never, unset: single-threaded callers only
+RECLAIM_VERSION = "1.3.1"  # the only libqatzip whose g_process layout _KeyReclaimer knows
 SONAME = "libqatzip.so.3"
 # libqatzip needs libqat, which needs libusdm: loaded first, in this order, from the same folder.
 _DEPENDENCIES = ("libusdm.so.0", "libqat.so.4")
@@ -127,12 +142,26 @@ class Library:
         self.hardware = probe.hw_session_stat == QZ_OK
         self.session_status = _status_name(probe.hw_session_stat)
         self.software_calls = 0  # see SOFTWARE_CALL_BUDGET
-        self._reclaimer = None if self.hardware else _KeyReclaimer.attach(cdll)
+        self._reclaimer = None if self.hardware else _KeyReclaimer.attach(cdll, self.version)
 
     @property
     def implementation(self) -> str:
         where = f"libqatzip {self.version or '(version unknown)'} at {self.path}"
         return f"QAT hardware ({where})" if self.hardware else f"QATzip software fallback ({where})"
+
+    def workarounds(self) -> dict[str, str]:
+        """Which software-fallback workarounds run here, in words (for ``kvtool codecs``)."""
+        if self.hardware:
+            return {"thread_keys": "not needed (QAT device)", "stderr_filter": "not needed (QAT device)"}
+        keys = (
+            f"deleted after each call (libqatzip {RECLAIM_VERSION} layout)" if self._reclaimer is not None
+            else f"leaked by libqatzip {self.version or '(version unknown)'}: zlib after {SOFTWARE_CALL_BUDGET} calls"
+        )
+        setting = os.environ.get(FILTER_ENV_VAR, "")
+        stderr = {"1": "on (" + FILTER_ENV_VAR + "=1)", "0": "off (" + FILTER_ENV_VAR + "=0)"}.get(
+            setting, f"only while one Python thread runs (set {FILTER_ENV_VAR}=1 or 0 to choose)"
+        )
+        return {"thread_keys": keys, "stderr_filter": stderr}
 
     @property
     def budget_spent(self) -> bool:
@@ -153,7 +182,7 @@ class Library:
                 out = bytearray(bound)
                 src_len, dest_len = c_uint(size), c_uint(bound)
                 dest = (ctypes.c_char * bound).from_buffer(out)
-                with contextlib.nullcontext() if self.hardware else _probe_noise_filtered():
+                with contextlib.nullcontext() if self.hardware else _software_call():
                     self.software_calls += not self.hardware
                     rc = self._cdll.qzCompress(byref(sess), base + start, byref(src_len), dest, byref(dest_len), 1)
                     if self._reclaimer is not None:
@@ -169,10 +198,8 @@ class Library:
 
     def _declare(self) -> None:
         lib = self._cdll
-        try:
-            lib.qzSetupSessionDeflate  # QATzip 1.2 and later
-        except AttributeError:
-            raise UnavailableError(f"{lib._name} is older than QATzip 1.2 (no qzSetupSessionDeflate)") from None
+        if not hasattr(lib, "qzSetupSessionDeflate"):  # QATzip 1.2 and later
+            raise UnavailableError(f"{lib._name} is older than QATzip 1.2 (no qzSetupSessionDeflate)")
         sess = POINTER(_Session)
         for name, args in {
             "qzInit": [sess, c_ubyte],
@@ -220,7 +247,7 @@ class Library:
         c.hw_buff_sz = hw_buffer_size
         params.data_fmt = QZ_DEFLATE_GZIP_EXT  # QATzip's own default, set so a changed process default cannot alter it
         sess = _Session()
-        with _probe_noise_filtered():
+        with contextlib.nullcontext() if getattr(self, "hardware", False) else _software_call():
             rc = self._cdll.qzInit(byref(sess), 1)
             if rc >= 0:
                 rc = self._cdll.qzSetupSessionDeflate(byref(sess), byref(params))
@@ -343,7 +370,24 @@ def _package_version(lib_path: Path) -> str | None:
 
 
 _PROBE_NOISE = b"Cannot open /dev/vfio\n"
-_stderr_lock = threading.Lock()
+# Software-fallback calls take turns: the key a call leaks is deleted before the next call
+# creates one, and at most one call at a time points file descriptor 2 elsewhere.
+_software_lock = threading.Lock()
+
+
+def filter_stderr() -> bool:
+    """Whether a software-fallback call now may point file descriptor 2 at a temporary file."""
+    setting = os.environ.get(FILTER_ENV_VAR, "")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return threading.active_count() == 1
+
+
+@contextlib.contextmanager
+def _software_call():
+    """Run one software-fallback call alone, its probe's stderr line dropped where that is safe."""
+    with _software_lock, (_probe_noise_filtered() if filter_stderr() else contextlib.nullcontext()):
+        yield
 
 
 @contextlib.contextmanager
@@ -353,10 +397,10 @@ def _probe_noise_filtered():
     Without a QAT device, libqatzip 1.3 probes again on every call and libqat
     prints "Cannot open /dev/vfio" each time, flooding a terminal. While the call
     runs, file descriptor 2 points at a temporary file; afterwards everything
-    written there except that line goes to the real stderr. The lock makes the
-    calls take turns, which costs little beside the software fallback's speed.
+    written there except that line goes to the real stderr, so nothing is lost,
+    but another thread's stderr is held back meanwhile (``filter_stderr``).
     """
-    with _stderr_lock, tempfile.TemporaryFile() as capture:
+    with tempfile.TemporaryFile() as capture:
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(capture.fileno(), 2)
@@ -377,9 +421,10 @@ class _KeyReclaimer:
     QATzip's hardware probe stores a new key in ``g_process.async_req_key`` on
     every call and abandons it when the probe fails; the key is only ever used
     by asynchronous hardware requests. The key is read from that exported
-    global, whose layout (48 bytes, the key at offset 40) is checked by size
-    before use, and deleted while the caller still holds ``_stderr_lock``, so
-    no other QATzip call runs in between.
+    global, whose layout in libqatzip 1.3.1 (48 bytes, the key at offset 40)
+    is used only with that version and after its size is checked, and deleted
+    while the caller still holds ``_software_lock``, so no other QATzip call
+    runs in between.
     """
 
     _LAYOUT_SIZE, _KEY_OFFSET = 48, 40
@@ -389,7 +434,10 @@ class _KeyReclaimer:
         self._libc = ctypes.CDLL(None)
 
     @classmethod
-    def attach(cls, cdll: ctypes.CDLL) -> "_KeyReclaimer | None":
+    def attach(cls, cdll: ctypes.CDLL, version: str | None) -> "_KeyReclaimer | None":
+        """A reclaimer for libqatzip 1.3.1 whose ``g_process`` has the known size; None for any other."""
+        if version != RECLAIM_VERSION:
+            return None
         try:
             address = ctypes.addressof(ctypes.c_char.in_dll(cdll, "g_process"))
         except ValueError:
@@ -405,7 +453,7 @@ class _KeyReclaimer:
 def _symbol_size(cdll: ctypes.CDLL, name: str) -> int | None:
     """The size of an exported data symbol, from the library's dynamic symbol table."""
     try:
-        out = subprocess.run(["nm", "-D", "-S", cdll._name], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["nm", "-D", "-S", cdll._name], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():

@@ -21,9 +21,7 @@ BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
 
 def as_memoryview(buf: BufferLike) -> memoryview:
     """A flat, contiguous byte view of ``buf`` (copies only non-contiguous arrays)."""
-    if isinstance(buf, np.ndarray):
-        buf = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
-    view = memoryview(buf)
+    view = np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data if isinstance(buf, np.ndarray) else memoryview(buf)
     if not view.contiguous:
         view = memoryview(view.tobytes())
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -96,7 +94,7 @@ class ArrayCodec(Codec):
         """Encode a block ``[heads, tokens, dim]`` (any strides)."""
 
     @abc.abstractmethod
-    def decode_array(self, buf: BufferLike, shape: tuple[int, int, int], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
         """Decode a block of ``shape`` and ``dtype``, into ``out`` when given; ``DecodeError`` on bad input."""
 
     @abc.abstractmethod

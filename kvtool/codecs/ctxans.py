@@ -41,7 +41,7 @@ class CtxAnsCodec(ArrayCodec):
     params = ("dict",)
     spec_param = "dict"
 
-    def __init__(self, dict: str | None = None):  # noqa: A002 - the config key users write
+    def __init__(self, dict: str | None = None):  # "dict": the config key users write
         if dict is None:
             dict = registry.default_id()
         if not isinstance(dict, str) or not registry.ID_PATTERN.match(dict):

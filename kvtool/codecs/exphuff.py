@@ -20,7 +20,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool._native import reference
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 from kvtool.codecs.base import ArrayCodec, Availability, BufferLike, as_memoryview
 from kvtool.errors import DecodeError, UsageError
 
@@ -56,7 +56,7 @@ class ExpHuffCodec(ArrayCodec):
         contiguous = np.ascontiguousarray(block)
         return core.exphuff_encode(_bytes_of(contiguous), _native.DTYPE_CODES[name], *block.shape)
 
-    def decode_array(self, buf: BufferLike, shape: tuple[int, int, int], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
         name = self._name(dtype)
         if out is None:
             out = np.empty(shape, dtype)

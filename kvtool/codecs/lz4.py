@@ -40,7 +40,7 @@ class Lz4Codec(Codec):
         try:
             while not dec.eof:
                 part = dec.decompress(data, max_length=min(max_size - size + 1, _STEP))
-                data = b""  # the decoder keeps what it has not consumed yet
+                data = memoryview(b"")  # the decoder keeps what it has not consumed yet
                 parts.append(part)
                 size += len(part)
                 check_output_size(size, max_size)

@@ -1,9 +1,12 @@
-"""Gzip through Intel QAT, via the QATzip library (hardware, or its software fallback).
+"""Gzip through Intel QATzip, forced (``qat``): a QAT device, or QATzip's software fallback.
 
-The wire format is gzip: QATzip writes gzip members with an extra header field
-(its ``QZ_DEFLATE_GZIP_EXT`` format) that every gzip decoder skips. Encoding
-needs libqatzip; decoding does not: any gzip stream, from QATzip or any other
-tool, single or multi-member, decodes with Python's zlib under the output cap.
+The format is gzip: this codec writes ``gzip`` configs (``kvtool.codecs.gzip``
+picks QATzip by itself when a QAT device is present), and its id stays to read
+files written before ``gzip`` existed and to force QATzip in benchmarks.
+QATzip writes gzip members with an extra header field (its
+``QZ_DEFLATE_GZIP_EXT`` format) that every gzip decoder skips. Encoding needs
+libqatzip; decoding does not: any gzip stream, from QATzip or any other tool,
+single or multi-member, decodes with Python's zlib under the output cap.
 Decoding through ``qzDecompress`` was measured and dropped: in software it runs
 the same zlib inflate at the same speed, but needs the whole output buffer up
 front, reports an oversized result as corrupt data, and accepts truncated input.
@@ -12,30 +15,28 @@ front, reports an oversized result as corrupt data, and accepts truncated input.
 from __future__ import annotations
 
 import logging
-import zlib
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtool.codecs import _qatzip
-from kvtool.codecs.base import Availability, BufferLike, Codec, as_memoryview
-from kvtool.codecs.zlib import inflate
+from kvtool.codecs.base import Availability, BufferLike, as_memoryview
+from kvtool.codecs.gzip import GzipCodec, _zlib_compress
 from kvtool.errors import UnavailableError, UsageError
 
 
-class QatCodec(Codec):
-    codec_id = "qat"
-    params = ("level", "hw_buffer_size")
-    magic = b"\x1f\x8b"
+class QatCodec(GzipCodec):
+    codec_id: ClassVar[str] = "qat"
+    # Read from configs (files written as "qat"); written configs hold only the gzip level.
+    params: ClassVar[tuple[str, ...]] = ("level", "hw_buffer_size")
+    levels: ClassVar[tuple[int, int]] = (1, 9)
 
     def __init__(self, level: int = 1, hw_buffer_size: int = _qatzip.DEFAULT_HW_BUFFER_SIZE):
-        if not 1 <= int(level) <= 9:
-            raise UsageError(f"qat level must be in 1..9, not {level}")
+        super().__init__(level)
         size = int(hw_buffer_size)
         if not _qatzip.MIN_HW_BUFFER_SIZE <= size <= _qatzip.MAX_HW_BUFFER_SIZE or size & (size - 1):
             raise UsageError(
                 f"qat hw_buffer_size must be a power of two from {_qatzip.MIN_HW_BUFFER_SIZE} "
                 f"to {_qatzip.MAX_HW_BUFFER_SIZE} bytes, not {hw_buffer_size}"
             )
-        self.level = int(level)
         self.hw_buffer_size = size
 
     @classmethod
@@ -44,7 +45,12 @@ class QatCodec(Codec):
             lib = _qatzip.load()
         except UnavailableError as exc:
             return Availability(False, reason=str(exc))
-        return Availability(True, implementation=lib.implementation)
+        if lib.hardware:
+            return Availability(True, implementation=lib.implementation)
+        fixes = lib.workarounds()
+        return Availability(
+            True, implementation=f"{lib.implementation}; thread keys {fixes['thread_keys']}; stderr filter {fixes['stderr_filter']}"
+        )
 
     @classmethod
     def details(cls) -> dict[str, Any]:
@@ -52,12 +58,14 @@ class QatCodec(Codec):
         try:
             lib = _qatzip.load()
         except UnavailableError:
-            return {"library": None, "library_version": None, "hardware": False}
+            return {"encoder": "qat", "library": None, "library_version": None, "hardware": False}
         return {
+            "encoder": "qat",
             "library": lib.path,
             "library_version": lib.version,
             "hardware": lib.hardware,
             "session_status": lib.session_status,
+            **lib.workarounds(),
         }
 
     def encode(self, buf: BufferLike) -> bytes:
@@ -68,9 +76,6 @@ class QatCodec(Codec):
         if lib.budget_spent:
             return _software_gzip(as_memoryview(buf), self.level)
         return lib.compress(as_memoryview(buf), self.level, self.hw_buffer_size)
-
-    def decode(self, buf: BufferLike, max_size: int) -> bytes:
-        return inflate(as_memoryview(buf), max_size, wbits=31, name="gzip", multi_member=True)
 
 
 def _software_gzip(view: memoryview, level: int) -> bytes:
@@ -88,8 +93,7 @@ def _software_gzip(view: memoryview, level: int) -> bytes:
             "this process writes the same gzip format with zlib, as QATzip's software fallback does",
             _qatzip.SOFTWARE_CALL_BUDGET,
         )
-    compressor = zlib.compressobj(level, zlib.DEFLATED, 31)
-    return compressor.compress(view) + compressor.flush()
+    return _zlib_compress(view, level)
 
 
 _budget_logged = False

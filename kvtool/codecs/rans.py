@@ -166,7 +166,7 @@ def _encode_rows(data: np.ndarray, rows: int) -> bytes | None:
     k = int(symbols.max()) - low + 1 if len(symbols) else 0
     if rows * k > MAX_MODEL_PER_SYMBOL * len(symbols) + (1 << 16):
         return None
-    counts = np.zeros(rows * k, np.int64)
+    counts: np.ndarray = np.zeros(rows * k, np.int64)
     for part, row in _row_parts(symbols, bounds):  # one bincount over row-offset symbols
         counts += np.bincount((part + (row * k - low)[:, None]).reshape(-1), minlength=rows * k)
     counts = counts.reshape(rows, k)

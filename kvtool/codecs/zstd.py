@@ -14,6 +14,7 @@ no matches, so the time goes to zstd's Huffman literal coder.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import zstandard
 
@@ -41,7 +42,15 @@ TUNING = {
 #: How much one input byte can become: a 4-byte block of one repeated byte stands for 128 KiB.
 _MAX_EXPANSION = 1 << 15
 #: Named tunings a spec can use in place of a level (``zstd:huff``).
-PRESETS = {"huff": {"level": 1, "strategy": "fast", "min_match": 7, "hash_log": 6, "window_log": 17}}
+PRESETS: dict[str, dict[str, Any]] = {"huff": {"level": 1, "strategy": "fast", "min_match": 7, "hash_log": 6, "window_log": 17}}
+
+
+def _tuning(name: str, value: int | None) -> int | None:
+    """An encoder parameter checked against its range in ``TUNING``; None leaves the level's choice."""
+    low, high = TUNING[name]
+    if value is not None and not low <= int(value) <= high:
+        raise UsageError(f"zstd {name} must be in {low}..{high}, not {value}")
+    return None if value is None else int(value)
 
 
 class ZstdCodec(Codec):
@@ -68,11 +77,9 @@ class ZstdCodec(Codec):
         self.level = int(level)
         self.threads = int(threads)
         self.strategy = strategy
-        for name, value in {"min_match": min_match, "hash_log": hash_log, "window_log": window_log}.items():
-            low, high = TUNING[name]
-            if value is not None and not low <= int(value) <= high:
-                raise UsageError(f"zstd {name} must be in {low}..{high}, not {value}")
-            setattr(self, name, None if value is None else int(value))
+        self.min_match = _tuning("min_match", min_match)
+        self.hash_log = _tuning("hash_log", hash_log)
+        self.window_log = _tuning("window_log", window_log)
         self._local = threading.local()  # zstd contexts are not thread-safe
 
     @classmethod
@@ -96,7 +103,7 @@ class ZstdCodec(Codec):
         return f"zstd:{preset}" if preset else super().spec()
 
     def _tuned(self) -> bool:
-        return self.strategy is not None or any(getattr(self, name) is not None for name in TUNING)
+        return self.strategy is not None or any(v is not None for v in (self.min_match, self.hash_log, self.window_log))
 
     @classmethod
     def available(cls) -> Availability:

@@ -22,9 +22,9 @@ from typing import Any
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.layouts.base import TOKEN_AXIS, Layout, PlaneSpec
 from kvtool.layouts.chain import LayoutChain
-from kvtool.registry import Registry
+from kvtool.registry import ComponentRegistry
 
-registry: Registry[type[Layout]] = Registry(
+registry: ComponentRegistry[Layout] = ComponentRegistry(
     "layout",
     "kvtool.layouts",
     {
@@ -48,7 +48,7 @@ def get_layout(spec: str) -> Layout:
     return registry.build(spec)
 
 
-def layout_from_config(config: dict[str, Any]) -> Layout:
+def layout_from_config(config: Any) -> Layout:
     """Rebuild a layout from its ``get_config()`` output, through the registry only."""
     return registry.from_config(config)
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvtool.cache import DTYPES
+from kvtool.dtypes import DTYPES
 from kvtool.component import Component
 from kvtool.errors import DecodeError, UsageError
 
@@ -173,7 +173,7 @@ def dtype_name(dtype: np.dtype) -> str:
 def bits_dtype(layout_id: str, dtype: np.dtype) -> np.dtype:
     """The unsigned integer dtype holding ``dtype``'s bit pattern, for any dtype a layout can reorder.
 
-    That is every dtype in ``kvtool.cache.DTYPES`` and native-order integers and
+    That is every dtype in ``kvtool.dtypes.DTYPES`` and native-order integers and
     floats of 1, 2, 4 or 8 bytes (the planes earlier stages produce).
     """
     bits = _bits_dtype(np.dtype(dtype))

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvtool.cache import DTYPES, DType
+from kvtool.dtypes import DTYPES, DType
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, child_name, dtype_name
 

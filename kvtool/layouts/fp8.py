@@ -36,7 +36,7 @@ class Fp8(LossyLayout):
     layout_id = "fp8"
     params = ("format", "group")
     spec_param = "format"
-    param_types = {"group": int}
+    param_types = {"group": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
 
     def __init__(self, format: str = "e4m3", group: int = 0):
         self.format = choice_param(self.layout_id, "format", format, tuple(FORMATS))

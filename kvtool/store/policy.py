@@ -194,7 +194,7 @@ class HintedPolicy(Policy):
         with self._lock:
             due = {p.key: self._live_due(p, now) for p in ordered if p.key in self._hints}
         later = sorted((p for p in ordered if (due.get(p.key) or -math.inf) > now + self.soon_s),
-                       key=lambda p: -due[p.key])
+                       key=lambda p: -(due.get(p.key) or -math.inf))
         leaving_first = {p.key for p in later}
         soon = [p for p in ordered if due.get(p.key) is not None and p.key not in leaving_first]
         rest = [p for p in ordered if due.get(p.key) is None]

@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -173,11 +173,16 @@ class RedisStore(Store):
     def _open_client(self, base: str, options: dict[str, Any]) -> None:
         tls = base.lower().startswith("rediss:")
         try:
-            self._client = redis.Redis.from_url(
+            self._redis = redis.Redis.from_url(
                 base, **options, **({} if tls else {"connection_class": UnbufferedConnection})
             )
         except ValueError as exc:
             raise UsageError(f"bad redis URL {self._base!r}{self._detail(exc)}") from None
+
+    @property
+    def _client(self) -> Any:
+        """The client calls go through (a cluster's differs): ``redis.Redis`` here."""
+        return self._redis
 
     def _scope(self, key: str) -> str:
         """The circuit breaker a call on ``key`` falls under: the server that holds it."""
@@ -198,10 +203,10 @@ class RedisStore(Store):
 
     def _read(self, key: str) -> bytes | None:
         record = self._call("get", key, lambda: self._client.get(self._k(key)), None)
-        return None if record is None else bytes(record)
+        return None if record is None else bytes(cast(bytes, record))  # no decode_responses: replies are bytes
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        return bool(self._call("put", info.key, lambda: self._client.set(self._k(info.key), record, px=self._px), False))
+        return self._call("put", info.key, lambda: bool(self._client.set(self._k(info.key), record, px=self._px)), False)
 
     def _delete(self, key: str) -> bool:
         return bool(self._call("delete", key, lambda: self._client.delete(self._k(key)), 0))
@@ -213,11 +218,13 @@ class RedisStore(Store):
         pattern = _glob_escape(self.prefix) + "*"
         n = len(self.prefix.encode())
         found: dict[str, None] = {}  # ordered, and a key seen on two servers mid-migration counts once
-        for scope, client in self._call("keys", None, self._servers, [], scope=EVERYWHERE):
+        no_servers: list[tuple[str, Any]] = []
+        for scope, client in self._call("keys", None, self._servers, no_servers, scope=EVERYWHERE):
             def scan(client=client) -> list[str]:
                 return [k[n:].decode("utf-8", "replace") for k in client.scan_iter(match=pattern, count=1000)]
 
-            found.update(dict.fromkeys(self._call("keys", None, scan, [], scope=scope)))
+            no_keys: list[str] = []
+            found.update(dict.fromkeys(self._call("keys", None, scan, no_keys, scope=scope)))
         return list(found)
 
     def _info(self, key: str) -> EntryInfo | None:
@@ -304,7 +311,8 @@ class RedisStore(Store):
         ``one`` does a single key (used when a cluster moved some keys).
         """
         results: list = [None] * len(keys)
-        groups = self._call(op, f"<{len(keys)} keys>", lambda: self._groups(keys), [], scope=EVERYWHERE)
+        no_groups: list[Group] = []
+        groups = self._call(op, f"<{len(keys)} keys>", lambda: self._groups(keys), no_groups, scope=EVERYWHERE)
         for group in groups:
             indices = group.indices
 

@@ -33,13 +33,25 @@ thread pool; returns futures), ``pin``/``unpin``, ``evict``, ``touch``,
 callbacks run in the thread that caused the event, after the store's lock is
 released, so a callback may call the store.
 
-Thread-safe: one lock guards the index and every move between tiers; reads of
-a tier run outside it, so a slow lower tier does not block hits elsewhere, and
-write-behind writes its copy outside it too (``Store.stage_entry``).
+Thread-safe, and no tier I/O happens under the store's lock: the lock guards
+only the index. A write or move claims its key and reserves room in the tier it
+goes to (choosing and claiming the entries that must leave first) under the
+lock, copies outside it, and commits the new placement under it again; the
+source copy is deleted after the commit. So a slow tier (a disk, Redis) being
+written or read never blocks hits in the memory tier, and a reader racing a
+move finds the entry in its old tier or its new one. Operations on one key are
+serialised by its claim (a second put of a key waits for the first); a hit on
+a key that is being moved is served where it is, without waiting.
+
+Under a ``TieredStore`` the non-shared tiers (memory) keep no eviction order of
+their own: the policy decides what leaves, and such a tier refuses a write that
+does not fit instead of evicting. Shared tiers (file, Redis) still evict by
+themselves, since other processes' entries compete for their room.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -48,7 +60,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from threading import RLock
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.base import Store, log
@@ -102,15 +114,20 @@ class TieredStore(Store):
         self._prefetch_workers = prefetch_workers
         self._executor: ThreadPoolExecutor | None = None
         self._lock = RLock()
+        self._released = threading.Condition(self._lock)  # notified when a key's claim ends
         self._placed: dict[str, Placement] = {}
         self._pinned: set[str] = set()
-        self._moving: set[str] = set()  # keys a move is working on: never chosen as victims
+        self._claimed: set[str] = set()  # keys a write or move is working on outside the lock
+        self._reserved = [0] * len(self.tiers)  # bytes promised to writes in progress, per tier
+        self._leaving = [0] * len(self.tiers)  # bytes of entries being moved out, per tier
         self._subscribers: list[Callable[[StoreEvent], None]] = []
         self._pending: list[StoreEvent] = []
         self._event_counts: Counter[str] = Counter()
         self._write_behind = _WriteBehind(self, write_behind) if write_behind else None
         for index, tier in enumerate(self.tiers):
             tier.on_evicted = functools.partial(self._tier_evicted, index)
+            if not tier.shared:
+                tier.evicts_by_itself = False  # the policy chooses what leaves it
         self._index_tiers()
 
     def describe(self) -> str:
@@ -177,8 +194,7 @@ class TieredStore(Store):
         if self._write_behind is not None:
             self._write_behind.close(drain=self.save_on_close and not self.read_only)
         if self.save_on_close and not self.read_only:
-            with self._lock:
-                self._save_volatile()
+            self._save_volatile()
             self._flush_events()
         super().close()
 
@@ -187,8 +203,7 @@ class TieredStore(Store):
     def tier_of(self, key: str) -> str | None:
         """The name of the tier holding ``key``, or None."""
         self._check_key_open(key)
-        with self._lock:
-            placement = self._locate(key)
+        placement = self._locate(key)
         self._flush_events()
         return None if placement is None else self.tier_names[placement.tier]
 
@@ -196,13 +211,12 @@ class TieredStore(Store):
         """Move ``key`` to the tier named or numbered ``to`` (default: the bottom); False if absent or refused."""
         self._check_key_open(key)
         target = self._tier_index(to)
-        with self._lock:
-            placement = self._locate(key)
-            if placement is None:
+        with self._claim(key):
+            if self._locate(key) is None:
                 return False
-            if key in self._pinned:
+            if self.is_pinned(key):
                 raise UsageError(f"{key!r} is pinned; unpin it before offloading it")
-            moved = self._move(placement, target, "offloaded by caller", report_no_room=True)
+            moved = self._move(key, target, "offloaded by caller", report_no_room=True)
         self._flush_events()
         return moved
 
@@ -219,10 +233,12 @@ class TieredStore(Store):
     def pin(self, key: str) -> bool:
         """Keep ``key`` in its tier (or higher) until ``unpin``; False if it is not stored."""
         self._check_key_open(key)
-        with self._lock:
-            found = self._locate(key) is not None
-            if found:
-                self._pinned.add(key)
+        with self._claim(key):  # waits for a move of it to finish
+            placement = self._locate(key)
+            with self._lock:
+                found = placement is not None and self._placed.get(key) is placement
+                if found:
+                    self._pinned.add(key)
         self._flush_events()
         return found
 
@@ -241,8 +257,8 @@ class TieredStore(Store):
     def evict(self, key: str) -> bool:
         """Remove ``key`` from every tier; a pinned key must be unpinned first."""
         self._check_key_open(key)
-        with self._lock:
-            if key in self._pinned:
+        with self._claim(key):
+            if self.is_pinned(key):
                 raise UsageError(f"{key!r} is pinned; unpin it before evicting it")
             removed = self._remove_everywhere(key, "evicted by caller")
         self._flush_events()
@@ -251,9 +267,9 @@ class TieredStore(Store):
     def touch(self, key: str) -> bool:
         """Mark ``key`` as just used without reading it; False if it is not stored."""
         self._check_key_open(key)
-        with self._lock:
-            placement = self._locate(key)
-            if placement is not None:
+        placement = self._locate(key)
+        if placement is not None:
+            with self._lock:
                 placement.last_access = time.monotonic()
         self._flush_events()
         return placement is not None
@@ -273,23 +289,23 @@ class TieredStore(Store):
     # --- backend hooks, in terms of the tiers ---------------------------------
 
     def _read(self, key: str) -> bytes | None:
-        with self._lock:
-            placement = self._locate(key)
-            tier = None if placement is None else self.tiers[placement.tier]
-        return None if tier is None else tier.read_record(key)
+        placement = self._locate(key)
+        return None if placement is None else self.tiers[placement.tier].read_record(key)
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        with self._lock:
+        with self._claim(info.key):
             stored = self._place(info, record)
-            persist = stored and self._write_behind is not None
-            persist = persist and self._persist_target(self._placed[info.key]) is not None
-        if persist:
-            self._write_behind.submit(info.key)
+            with self._lock:
+                placement = self._placed.get(info.key)
+                behind = self._write_behind if stored and placement is not None else None
+                persist = behind is not None and placement is not None and self._persist_target(placement) is not None
+        if behind is not None and persist:  # after the claim ends: a full queue makes this thread write the copy
+            behind.submit(info.key)
         self._flush_events()
         return stored
 
     def _delete(self, key: str) -> bool:
-        with self._lock:
+        with self._claim(key):
             removed = self._remove_everywhere(key, "deleted")
         self._flush_events()
         return removed
@@ -324,60 +340,107 @@ class TieredStore(Store):
         for tier in self.tiers:
             tier.close()
 
-    # --- placement (callers hold self._lock) -----------------------------------
+    # --- claims and room -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _claim(self, key: str) -> Iterator[None]:
+        """Hold ``key`` for one write or move, waiting while another operation holds it."""
+        with self._lock:
+            while key in self._claimed:
+                self._released.wait()
+            self._claimed.add(key)
+        try:
+            yield
+        finally:
+            self._release([key])
+
+    def _release(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._claimed.difference_update(keys)
+            self._released.notify_all()
+
+    def _reserve_room(self, index: int, need: int) -> list[Placement] | None:
+        """Reserve ``need`` bytes in tier ``index`` (lock held); the entries that must leave it first, or None.
+
+        The entries returned are claimed; ``_make_room`` moves them out. A shared
+        tier evicts by itself when written (other processes' entries compete
+        for its room): entries this store knows there are only chosen when a
+        lower tier exists, and the tier makes the rest of the room. The caller
+        gives the reservation back with ``_unreserve`` once its write is done.
+        """
+        tier = self.tiers[index]
+        if tier.capacity is not None and need > tier.capacity:
+            return None
+        victims: list[Placement] = []
+        if tier.capacity is not None and need > 0:
+            free = tier.capacity - (tier.used_bytes or 0) - self._reserved[index] + self._leaving[index]
+            if free < need and not (tier.shared and index == len(self.tiers) - 1):
+                candidates = [
+                    p for p in self._placed.values()
+                    if p.tier == index and p.key not in self._pinned and p.key not in self._claimed
+                ]
+                for victim in self.policy.coldest_first(candidates, self.profiles[index], time.monotonic()):
+                    if free >= need:
+                        break
+                    victims.append(victim)
+                    free += victim.size
+                if free < need and not tier.shared:
+                    return None
+        for victim in victims:
+            self._claimed.add(victim.key)
+            self._leaving[index] += victim.size
+        self._reserved[index] += max(need, 0)
+        return victims
+
+    def _unreserve(self, index: int, need: int) -> None:
+        with self._lock:
+            self._reserved[index] -= max(need, 0)
+
+    def _make_room(self, victims: list[Placement]) -> None:
+        """Move the entries ``_reserve_room`` chose out of their tier (no lock held), then release them."""
+        for victim in victims:
+            source = victim.tier
+            try:
+                self._demote(victim)
+            finally:
+                with self._lock:
+                    self._leaving[source] -= victim.size
+                self._release([victim.key])
+
+    # --- placement (no lock held; the caller has claimed the key) -------------
 
     def _place(self, info: EntryInfo, record: bytes) -> bool:
         """Put a new record in the highest tier that admits it and has room."""
-        old = self._placed.get(info.key)
+        with self._lock:
+            old = self._placed.get(info.key)
         placement = Placement(info.key, -1, info.size, info.tokens, time.monotonic())
-        self._moving.add(info.key)
-        try:
-            for index, tier in enumerate(self.tiers):
-                if not self.policy.admits(placement, self.profiles[index]):
-                    continue
-                replaced = old.size if old is not None and old.tier == index else 0
-                if not self._make_room(index, info.size - replaced):
-                    continue
+        for index, tier in enumerate(self.tiers):
+            if not self.policy.admits(placement, self.profiles[index]):
+                continue
+            need = info.size - (old.size if old is not None and old.tier == index else 0)
+            with self._lock:
+                victims = self._reserve_room(index, need)
+            if victims is None:
+                continue
+            try:
+                self._make_room(victims)
                 written = tier.put_entry(info) if isinstance(info, Entry) else tier.write_record(info.key, record)
-                if not written:
-                    continue
-                for stale in {old.tier, old.copy_in} - {index, None} if old is not None else ():
-                    self.tiers[stale].delete(info.key)  # the old value must not outlive the new one
+            finally:
+                self._unreserve(index, need)
+            if not written:
+                continue
+            with self._lock:
                 placement.tier = index
                 self._placed[info.key] = placement
                 self._event("stored", info.key, index)
-                return True
-        finally:
-            self._moving.discard(info.key)
-        self._event("failed", info.key, None, "no tier admits it and has room")
+            stale_tiers = {old.tier, old.copy_in} - {index, None} if old is not None else set()
+            for stale in stale_tiers:
+                if stale is not None:
+                    self.tiers[stale].delete(info.key)  # the old value must not outlive the new one
+            return True
+        with self._lock:
+            self._event("failed", info.key, None, "no tier admits it and has room")
         return False
-
-    def _make_room(self, index: int, need: int) -> bool:
-        """Demote entries out of tier ``index`` until ``need`` more bytes fit; False if they cannot.
-
-        A shared tier evicts by itself when written (other processes' entries
-        compete for its room): entries this store knows there are only demoted
-        when a lower tier exists, and the tier makes the rest of the room.
-        """
-        tier = self.tiers[index]
-        if tier.capacity is None or need <= 0:
-            return True
-        if need > tier.capacity:
-            return False
-        if tier.capacity - (tier.used_bytes or 0) >= need:
-            return True
-        if tier.shared and index == len(self.tiers) - 1:
-            return True
-        candidates = [
-            p for p in self._placed.values()
-            if p.tier == index and p.key not in self._pinned and p.key not in self._moving
-        ]
-        for victim in self.policy.coldest_first(candidates, self.profiles[index], time.monotonic()):
-            if self._placed.get(victim.key) is victim and victim.tier == index:
-                self._demote(victim)
-            if tier.capacity - (tier.used_bytes or 0) >= need:
-                return True
-        return tier.shared
 
     def _demote(self, placement: Placement) -> None:
         """Move an entry to the next lower tier that admits it and has room, or evict it."""
@@ -385,72 +448,89 @@ class TieredStore(Store):
         for index in range(source + 1, len(self.tiers)):
             if not self.policy.admits(placement, self.profiles[index]):
                 continue
-            if self._move(placement, index, f"{self.tier_names[source]} full"):
+            if self._move(placement.key, index, f"{self.tier_names[source]} full"):
                 return
-            if self._placed.get(placement.key) is not placement:
-                return  # the entry turned out to be gone
+            with self._lock:
+                if self._placed.get(placement.key) is not placement:
+                    return  # the entry turned out to be gone
         reason = "bottom tier full" if source == len(self.tiers) - 1 else "no lower tier admits it or has room"
         self._remove_everywhere(placement.key, reason, evicted=True)
 
-    def _move(
-        self, placement: Placement, target: int, reason: str, entry: Entry | None = None, report_no_room: bool = False
-    ) -> bool:
+    def _move(self, key: str, target: int, reason: str, entry: Entry | None = None, report_no_room: bool = False) -> bool:
         """Copy an entry to tier ``target`` and drop it from its tier (kept there if that tier is shared).
 
         Demoting to the tier that already holds the entry's write-behind copy writes nothing.
         """
-        source = placement.tier
-        if target == source:
-            return True
-        has_copy = placement.copy_in == target and self.tiers[target].contains(placement.key)
-        if entry is None and not has_copy:
-            entry = self.tiers[source].peek(placement.key)
-            if entry is None:
-                self._forget(placement, f"gone from {self.tier_names[source]}")
+        with self._lock:
+            placement = self._placed.get(key)
+            if placement is None:
                 return False
-        if not has_copy:
-            self._moving.add(placement.key)
+            source = placement.tier
+            if target == source:
+                return True
+        has_copy = placement.copy_in == target and self.tiers[target].contains(key)
+        if entry is None and not has_copy:
+            entry = self.tiers[source].peek(key)
+            if entry is None:
+                with self._lock:
+                    self._forget(placement, f"gone from {self.tier_names[source]}")
+                return False
+        if entry is not None and not has_copy:
+            with self._lock:
+                victims = self._reserve_room(target, entry.size)
+                if victims is None and report_no_room:
+                    self._event("failed", key, target, f"no room in {self.tier_names[target]}", source)
+            if victims is None:
+                return False
             try:
-                if not self._make_room(target, entry.size):
-                    if report_no_room:
-                        self._event("failed", placement.key, target, f"no room in {self.tier_names[target]}", source)
-                    return False
-                if not self.tiers[target].put_entry(entry):
-                    self._event("failed", placement.key, target, f"write to {self.tier_names[target]} failed", source)
-                    return False
+                self._make_room(victims)
+                written = self.tiers[target].put_entry(entry)
             finally:
-                self._moving.discard(placement.key)
+                self._unreserve(target, entry.size)
+            if not written:
+                with self._lock:
+                    self._event("failed", key, target, f"write to {self.tier_names[target]} failed", source)
+                return False
         kept = self.tiers[source].shared
+        with self._lock:
+            placement.copy_in = source if kept and target < source and self.tiers[source].persistent else None
+            placement.tier = target
+            self._placed[key] = placement  # also when the source tier evicted it meanwhile: the copy is here
+            self._event("promoted" if target < source else "demoted", key, target, reason, source)
         if not kept:
-            self.tiers[source].delete(placement.key)
-        placement.copy_in = source if kept and target < source and self.tiers[source].persistent else None
-        placement.tier = target
-        self._event("promoted" if target < source else "demoted", placement.key, target, reason, source)
+            self.tiers[source].delete(key)
         return True
 
     def _save_volatile(self) -> None:
         """Move entries of tiers that die with the process down to a persistent tier with room."""
         persistent = [i for i, tier in enumerate(self.tiers) if tier.persistent]
-        for placement in list(self._placed.values()):
-            if self._placed.get(placement.key) is not placement or self.tiers[placement.tier].persistent:
-                continue
-            for index in ([placement.copy_in] if placement.copy_in is not None else []) + persistent:
-                if index > placement.tier and self._move(placement, index, "saved on close"):
-                    break
+        with self._lock:
+            placements = list(self._placed.values())
+        for placement in placements:
+            with self._claim(placement.key):
+                with self._lock:
+                    current = self._placed.get(placement.key) is placement
+                if not current or self.tiers[placement.tier].persistent:
+                    continue
+                for index in ([placement.copy_in] if placement.copy_in is not None else []) + persistent:
+                    if index > placement.tier and self._move(placement.key, index, "saved on close"):
+                        break
 
     def _remove_everywhere(self, key: str, reason: str, evicted: bool = False) -> bool:
         """Remove ``key`` from its tier, its write-behind copy and every shared tier.
 
         ``evicted``: it leaves to make room, which the tiers count as evictions.
         """
-        placement = self._placed.pop(key, None)
-        self._pinned.discard(key)
+        with self._lock:
+            placement = self._placed.pop(key, None)
+            self._pinned.discard(key)
         removed = False
         for index, tier in enumerate(self.tiers):
             if tier.shared or (placement is not None and index in (placement.tier, placement.copy_in)):
                 removed = tier.delete(key, evicted=reason if evicted else None) or removed
         if placement is not None or removed:
-            self._event("evicted", key, None if placement is None else placement.tier, reason)
+            with self._lock:
+                self._event("evicted", key, None if placement is None else placement.tier, reason)
         return removed or placement is not None
 
     # --- write-behind -------------------------------------------------------------
@@ -466,33 +546,36 @@ class TieredStore(Store):
 
     def _persist(self, key: str) -> bool | None:
         """Give a volatile entry its copy in a persistent tier, writing outside the lock; None if none is due."""
-        with self._lock:
-            placement = self._placed.get(key)
-            target = None if placement is None or placement.copy_in is not None else self._persist_target(placement)
-            source = None if target is None or self.read_only else self.tiers[placement.tier]
-        record = None if source is None else source.read_record(key)
-        if record is None:
-            return None  # deleted, moved or already copied since it was queued
-        try:
-            entry = unwrap(record, key)
-        except CorruptEntryError:
-            return None  # damaged: not copied, and left for a reader to find, log and drop
-        staged = self.tiers[target].stage_entry(entry)
-        with self._lock:
-            if self._placed.get(key) is not placement or placement.tier >= target or placement.copy_in is not None:
-                staged.abort()  # replaced, moved or copied meanwhile
-                written = None
+        with self._claim(key):
+            with self._lock:
+                placement = self._placed.get(key)
+                target = None if placement is None or placement.copy_in is not None else self._persist_target(placement)
+                source = None if placement is None or target is None or self.read_only else self.tiers[placement.tier]
+            record = None if source is None else source.read_record(key)
+            if record is None or placement is None or target is None:
+                return None  # deleted, moved or already copied since it was queued
+            try:
+                entry = unwrap(record, key)
+            except CorruptEntryError:
+                return None  # damaged: not copied, and left for a reader to find, log and drop
+            staged = self.tiers[target].stage_entry(entry)
+            with self._lock:
+                victims = self._reserve_room(target, entry.size)
+            written: bool | None
+            if victims is None:
+                staged.abort()
+                written = False
             else:
-                self._moving.add(key)
                 try:
-                    room = self._make_room(target, entry.size)
+                    self._make_room(victims)
+                    written = staged.commit()
                 finally:
-                    self._moving.discard(key)
-                if not room:
-                    staged.abort()
-                written = room and staged.commit()
-                if written:
+                    self._unreserve(target, entry.size)
+            with self._lock:
+                if written and self._placed.get(key) is placement and placement.tier < target:
                     placement.copy_in = target
+                elif written:
+                    written = None  # the entry left its volatile tier meanwhile (evicted by it): no copy is due
                 else:
                     reason = f"write-behind to {self.tier_names[target]} failed"
                     self._event("failed", key, target, reason, placement.tier)
@@ -520,22 +603,26 @@ class TieredStore(Store):
             self._event("evicted", placement.key, placement.tier, reason)
 
     def _locate(self, key: str) -> Placement | None:
-        """The placement of ``key``, asking the shared tiers when the index does not know it.
+        """The placement of ``key``, asking the shared tiers (outside the lock) when the index does not know it.
 
         A placement in a shared tier is checked there: another process may have removed the entry.
         """
-        placement = self._placed.get(key)
+        with self._lock:
+            placement = self._placed.get(key)
         if placement is not None:
             if not self.tiers[placement.tier].shared or self.tiers[placement.tier].contains(key):
                 return placement
-            self._forget(placement, f"gone from {self.tier_names[placement.tier]}")
+            with self._lock:
+                self._forget(placement, f"gone from {self.tier_names[placement.tier]}")
         for index in self._shared_tiers():
             info = self.tiers[index].info(key)
             if info is not None:
-                return self._register(info, index)
+                with self._lock:
+                    return self._placed.get(key) or self._register(info, index)
         return None
 
     def _register(self, info: EntryInfo, index: int) -> Placement:
+        """Index an entry found in tier ``index`` (lock held)."""
         placement = Placement(info.key, index, info.size, info.tokens, time.monotonic())
         self._placed[info.key] = placement
         return placement
@@ -559,11 +646,17 @@ class TieredStore(Store):
                     if current is None and seen is None:
                         current = self._register(entry, index)
                     unchanged = current is not None and (seen is None or current is seen) and current.tier == index
-                    if unchanged:
+                    if current is not None and unchanged:
                         current.hits += 1
                         current.last_access = time.monotonic()
-                        if to_top and index > 0 and key not in self._moving:
-                            self._move(current, 0, reason, entry)
+                    promote = unchanged and to_top and index > 0 and key not in self._claimed
+                    if promote:
+                        self._claimed.add(key)  # a key being moved is not promoted: this read does not wait
+                if promote:
+                    try:
+                        self._move(key, 0, reason, entry)
+                    finally:
+                        self._release([key])
                 return entry
             with self._lock:
                 if seen is None or self.read_only:  # read-only: a damaged entry stays, indexed where it is
@@ -582,7 +675,7 @@ class TieredStore(Store):
             with self._lock:
                 placement = self._placed.get(key)
                 at_top = entry is not None and placement is not None and placement.tier == 0
-        except Exception:
+        except Exception:  # noqa: BLE001 - a prefetch runs in a pool thread: logged, reported as False
             log.exception("%s: prefetch of %r failed", self.name, key)
             return False
         finally:
@@ -636,7 +729,7 @@ class TieredStore(Store):
             for callback in subscribers:
                 try:
                     callback(event)
-                except Exception:
+                except Exception:  # noqa: BLE001 - a subscriber's bug must not break the store
                     log.exception("%s: event subscriber %r failed", self.name, callback)
 
 
@@ -706,7 +799,7 @@ class _WriteBehind:
     def _write(self, key: str, counter: str) -> None:
         try:
             written = self._store._persist(key)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the write-behind thread must outlive one failed copy
             log.exception("%s: write-behind of %r failed", self._store.name, key)
             written = False
         if written is not None:

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from kvtool.codecs import Codec, codec_from_config
+from kvtool.codecs import BufferLike, Codec, codec_from_config
 from kvtool.errors import DecodeError
 from kvtool.testing.data import kv_like_bf16
 
@@ -38,8 +38,12 @@ def require_available(*specs: Codec | str) -> None:
     from kvtool.recipe import Recipe
 
     for spec in specs:
-        recipe = Recipe.parse(spec) if isinstance(spec, str) else None
-        for codec in [spec] if recipe is None else [recipe.codec, *recipe.plane_codecs.values()]:
+        if isinstance(spec, str):
+            recipe = Recipe.parse(spec)
+            codecs = [recipe.codec, *recipe.plane_codecs.values()]
+        else:
+            codecs = [spec]
+        for codec in codecs:
             availability = type(codec).available()
             if not availability.ok:
                 pytest.skip(f"codec {codec.codec_id!r} is unavailable here: {availability.reason}")
@@ -84,6 +88,7 @@ class CodecTests:
     def test_buffer_types(self, codec: Codec, kind: str, kv_bytes: bytes):
         arr = np.frombuffer(kv_bytes, dtype=np.uint16).reshape(-1, 2)
         expected = kv_bytes
+        buf: BufferLike
         if kind == "bytearray":
             buf = bytearray(kv_bytes)
         elif kind == "memoryview":
@@ -105,7 +110,7 @@ class CodecTests:
 
     def test_config_round_trip(self, codec: Codec):
         config = codec.get_config()
-        assert config["id"] == codec.codec_id
+        assert config["id"] == codec.config_id()
         assert json.loads(json.dumps(config)) == config
         rebuilt = codec_from_config(config)
         assert rebuilt == codec

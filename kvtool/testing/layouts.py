@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from kvtool.cache import DTYPES
+from kvtool.dtypes import DTYPES
 from kvtool.errors import DecodeError, UsageError
 from kvtool.layouts import Layout, LayoutChain, get_layout, layout_from_config, parse_layouts
 from kvtool.layouts.base import PlaneSpec

@@ -78,7 +78,7 @@ def run_mixed_ops(url: str, worker: int, ops: int, seed: int) -> dict[str, Any]:
                     store.delete(key)
                 else:
                     wrong += not set(store.keys()) <= set(KEYS)
-            except Exception as exc:  # reported, not raised: the parent counts failures
+            except Exception as exc:  # noqa: BLE001 - reported, not raised: the parent counts failures
                 failures.append(f"{op} {key}: {type(exc).__name__}: {exc}")
             latencies[op].append(time.perf_counter() - start)
             max_used = max(max_used, store.used_bytes or 0)

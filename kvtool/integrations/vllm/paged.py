@@ -22,21 +22,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from kvtool.errors import UsageError
+from kvtool.torchbits import from_numpy, numpy_dtype, to_numpy
 
-_NUMPY_OF = {
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
-    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
-}
-_SAME_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
+__all__ = ["from_numpy", "gather_blocks", "kv_views", "numpy_dtype", "row_offsets", "scatter_blocks", "storage_bytes", "to_numpy"]
 
 def kv_views(layer: torch.Tensor, backend: str, head_dim: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's paged tensor."""
@@ -95,26 +87,3 @@ def row_offsets(view: torch.Tensor, block_ids: Sequence[int], tokens: int, skip:
     offsets = elems * view.element_size()
     offsets[:, :skip] = -1
     return offsets
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's data as a numpy array of the matching (ml_dtypes) dtype, sharing memory."""
-    dtype = numpy_dtype(tensor.dtype)
-    return tensor.view(_SAME_BITS[dtype.itemsize]).numpy().view(dtype)
-
-
-def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A torch tensor of ``dtype`` sharing ``array``'s bytes (which must be that dtype's bit pattern)."""
-    if numpy_dtype(dtype) != array.dtype:
-        raise UsageError(f"restored KV is {array.dtype}, the paged cache is {dtype}")
-    bits = np.ascontiguousarray(array).view(f"<i{array.dtype.itemsize}" if array.dtype.itemsize > 1 else "u1")
-    if not bits.flags.writeable:  # torch wants writable memory; decoded chunks may be read-only views
-        bits = bits.copy()
-    return torch.from_numpy(bits).view(dtype)
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    try:
-        return _NUMPY_OF[dtype]
-    except KeyError:
-        raise UsageError(f"KV cache dtype {dtype} is not supported; supported: {sorted(map(str, _NUMPY_OF))}") from None

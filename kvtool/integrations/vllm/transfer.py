@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -335,14 +335,14 @@ class Capture:
 
     def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
         """Entries with every layer captured, except those of ``skip_requests``."""
-        done = []
+        done: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
         for rid, jobs in self.jobs.items():
             if rid in skip_requests:
                 continue
             for job in jobs:
                 k, v = self.arrays.get(job.entry_id, [[None], [None]])
                 if all(a is not None for a in k + v):
-                    done.append((job.entry_id, k, v))
+                    done.append((job.entry_id, cast("list[np.ndarray]", k), cast("list[np.ndarray]", v)))
         return done
 
 

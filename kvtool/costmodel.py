@@ -96,7 +96,7 @@ class Tier:
 
 
 @dataclass(frozen=True)
-class Codec:
+class CodecCost:
     name: str
     ratio: float  # raw bytes / stored bytes
     decode_rate: float  # raw bytes per second
@@ -107,7 +107,7 @@ class Inputs:
     model: ModelShape
     prefill: Prefill
     tiers: list[Tier]
-    codecs: list[Codec]
+    codecs: list[CodecCost]
     build_rate: float  # raw bytes per second into the engine's cache
     chunk_tokens: int = 256
     sources: dict[str, str] = field(default_factory=dict)  # where each input came from
@@ -118,17 +118,17 @@ class Inputs:
         return data
 
 
-def restore_seconds(inputs: Inputs, tier: Tier, codec: Codec, cached: int) -> float:
+def restore_seconds(inputs: Inputs, tier: Tier, codec: CodecCost, cached: int) -> float:
     raw = cached * inputs.model.bytes_per_token
     entries = math.ceil(cached / inputs.chunk_tokens)
     return entries * tier.latency + raw / codec.ratio / tier.bandwidth + raw / codec.decode_rate + raw / inputs.build_rate
 
 
-def ttft_restore(inputs: Inputs, tier: Tier, codec: Codec, cached: int, total: int) -> float:
+def ttft_restore(inputs: Inputs, tier: Tier, codec: CodecCost, cached: int, total: int) -> float:
     return restore_seconds(inputs, tier, codec, cached) + inputs.prefill.suffix(cached, total)
 
 
-def break_even(inputs: Inputs, tier: Tier, codec: Codec, limit: int = 1 << 20) -> int | None:
+def break_even(inputs: Inputs, tier: Tier, codec: CodecCost, limit: int = 1 << 20) -> int | None:
     """The smallest context from which restoring it is faster than recomputing it, for every longer context.
 
     Both sides leave out the fixed per-request prefill time, paid either way.
@@ -150,7 +150,7 @@ def break_even(inputs: Inputs, tier: Tier, codec: Codec, limit: int = 1 << 20) -
     return high
 
 
-def capacity(inputs: Inputs, codec: Codec, context: int, concurrency: int, retained: int) -> dict[str, int]:
+def capacity(inputs: Inputs, codec: CodecCost, context: int, concurrency: int, retained: int) -> dict[str, int]:
     """Bytes for ``concurrency`` running sessions (raw, in the engine) and ``retained`` idle ones (stored)."""
     per_session = context * inputs.model.bytes_per_token
     return {
@@ -225,7 +225,7 @@ def shape_from_gguf(path: str | Path, dtype: str = "bf16") -> ModelShape:
     )
 
 
-def codecs_from_bench(path: str | Path, threads: str = "1") -> list[Codec]:
+def codecs_from_bench(path: str | Path, threads: str = "1") -> list[CodecCost]:
     """Ratio and decode rate per recipe from ``kvtool bench --json`` (averaged over its files)."""
     report = json.loads(Path(path).read_text())
     found: dict[str, list[tuple[float, float]]] = {}
@@ -236,7 +236,7 @@ def codecs_from_bench(path: str | Path, threads: str = "1") -> list[Codec]:
                 found.setdefault(r["recipe"], []).append((r["ratio"], rate * 1e6))
     if not found:
         raise UsageError(f"{path}: no measured recipes (is it `kvtool bench --json` output?)")
-    return [Codec(name, float(np.mean([x for x, _ in v])), float(np.mean([y for _, y in v]))) for name, v in found.items()]
+    return [CodecCost(name, float(np.mean([x for x, _ in v])), float(np.mean([y for _, y in v]))) for name, v in found.items()]
 
 
 def best_of_repeats(ttft_result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -266,7 +266,9 @@ def calibrate(ttft_result: dict[str, Any], model: ModelShape) -> Inputs:
         (r["restored_tokens"], r["tokens"], r["prefill_s"]) for rows in turns.values() for r in rows if "prefill_s" in r
     ]
     prefill = Prefill.fit(observations)
-    tiers, codecs, build = {}, {}, []
+    tiers: dict[str, list[tuple[float, float]]] = {}
+    codecs: dict[str, list[tuple[float, float, float]]] = {}
+    build: list[tuple[float, float]] = []
     for name, rows in turns.items():
         if name == "recompute" or "fetch_s" not in rows[0]:
             continue
@@ -280,7 +282,7 @@ def calibrate(ttft_result: dict[str, Any], model: ModelShape) -> Inputs:
         model=model,
         prefill=prefill,
         tiers=[Tier(t, sum(b for b, _ in v) / sum(s for _, s in v)) for t, v in tiers.items()],
-        codecs=[Codec(c, sum(r for r, _, _ in v) / sum(s for _, s, _ in v), sum(r for r, _, _ in v) / sum(d for _, _, d in v)) for c, v in codecs.items()],
+        codecs=[CodecCost(c, sum(r for r, _, _ in v) / sum(s for _, s, _ in v), sum(r for r, _, _ in v) / sum(d for _, _, d in v)) for c, v in codecs.items()],
         build_rate=sum(r for r, _ in build) / sum(s for _, s in build),
         chunk_tokens=ttft_result.get("chunk_tokens", 256),
         sources={"all": "measured in the kvtool bench ttft run given"},
@@ -330,7 +332,7 @@ def default_inputs(model: ModelShape) -> Inputs:
         model=model,
         prefill=Prefill(*PREFILL_HERE),
         tiers=[Tier(name, rate, latency) for name, rate, latency in TIERS_HERE],
-        codecs=[Codec(name, ratio, rate) for name, ratio, rate in CODECS_HERE],
+        codecs=[CodecCost(name, ratio, rate) for name, ratio, rate in CODECS_HERE],
         build_rate=BUILD_RATE_HERE,
         chunk_tokens=128,
         sources={"all": MEASURED_HERE},

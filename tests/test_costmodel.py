@@ -8,31 +8,31 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtool import plan
+from kvtool import costmodel
 from kvtool.cli import app
 
 MEASURED = Path(__file__).parent / "data" / "ttft_hf_smollm2.json"
-SMOLLM2 = plan.ModelShape("SmolLM2-135M", layers=30, kv_heads=3, head_dim=64)
-QWEN3_8B = plan.ModelShape("Qwen3-8B", layers=36, kv_heads=8, head_dim=128)
+SMOLLM2 = costmodel.ModelShape("SmolLM2-135M", layers=30, kv_heads=3, head_dim=64)
+QWEN3_8B = costmodel.ModelShape("Qwen3-8B", layers=36, kv_heads=8, head_dim=128)
 
 
 def test_bytes_per_token_are_exact():
     assert SMOLLM2.bytes_per_token == 23_040
     assert QWEN3_8B.bytes_per_token == 147_456
-    assert plan.ModelShape("Qwen3-32B", 64, 8, 128).bytes_per_token == 262_144
-    assert plan.ModelShape("fp8", 36, 8, 128, "fp8").bytes_per_token == 73_728
+    assert costmodel.ModelShape("Qwen3-32B", 64, 8, 128).bytes_per_token == 262_144
+    assert costmodel.ModelShape("fp8", 36, 8, 128, "fp8").bytes_per_token == 73_728
 
 
 def test_shape_from_a_config_file(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096}))
-    assert plan.shape_from_config(config).bytes_per_token == 147_456
+    assert costmodel.shape_from_config(config).bytes_per_token == 147_456
 
 
 def test_prefill_fit_recovers_a_quadratic():
-    truth = plan.Prefill(0.05, 2e-3, 3e-7)
+    truth = costmodel.Prefill(0.05, 2e-3, 3e-7)
     observations = [(0, n, truth.recompute(n)) for n in (512, 1024, 4096)] + [(1024, 2048, truth.suffix(1024, 2048))]
-    fitted = plan.Prefill.fit(observations)
+    fitted = costmodel.Prefill.fit(observations)
     assert fitted.a == pytest.approx(truth.a, rel=1e-6)
     assert fitted.b == pytest.approx(truth.b, rel=1e-6)
     assert fitted.c == pytest.approx(truth.c, rel=1e-6)
@@ -40,18 +40,18 @@ def test_prefill_fit_recovers_a_quadratic():
 
 
 def _inputs(bandwidth=1e9, tokens_per_second=1000.0, ratio=1.3, latency=1e-4):
-    return plan.Inputs(
+    return costmodel.Inputs(
         model=SMOLLM2,
-        prefill=plan.Prefill(0.01, 1 / tokens_per_second, 1e-8),
-        tiers=[plan.Tier("t", bandwidth, latency)],
-        codecs=[plan.Codec("c", ratio, 2e9)],
+        prefill=costmodel.Prefill(0.01, 1 / tokens_per_second, 1e-8),
+        tiers=[costmodel.Tier("t", bandwidth, latency)],
+        codecs=[costmodel.CodecCost("c", ratio, 2e9)],
         build_rate=4e9,
     )
 
 
 def _break_even(**kwargs):
     inputs = _inputs(**kwargs)
-    return plan.break_even(inputs, inputs.tiers[0], inputs.codecs[0])
+    return costmodel.break_even(inputs, inputs.tiers[0], inputs.codecs[0])
 
 
 def test_break_even_moves_the_right_way():
@@ -66,9 +66,9 @@ def test_break_even_moves_the_right_way():
 def test_break_even_is_the_crossing():
     inputs = _inputs(bandwidth=1e8, latency=0.01)
     tier, codec = inputs.tiers[0], inputs.codecs[0]
-    n = plan.break_even(inputs, tier, codec)
-    assert plan.restore_seconds(inputs, tier, codec, n) < inputs.prefill.work(n)
-    assert plan.restore_seconds(inputs, tier, codec, n - 1) >= inputs.prefill.work(n - 1)
+    n = costmodel.break_even(inputs, tier, codec)
+    assert costmodel.restore_seconds(inputs, tier, codec, n) < inputs.prefill.work(n)
+    assert costmodel.restore_seconds(inputs, tier, codec, n - 1) >= inputs.prefill.work(n - 1)
 
 
 def test_break_even_none_when_restore_never_wins():
@@ -77,13 +77,13 @@ def test_break_even_none_when_restore_never_wins():
 
 def test_capacity_counts_bytes():
     inputs = _inputs(ratio=2.0)
-    got = plan.capacity(inputs, inputs.codecs[0], context=4096, concurrency=3, retained=10)
+    got = costmodel.capacity(inputs, inputs.codecs[0], context=4096, concurrency=3, retained=10)
     assert got == {"bytes_per_session_raw": 4096 * 23_040, "engine_bytes": 3 * 4096 * 23_040, "store_bytes": 10 * 4096 * 23_040 // 2}
 
 
 def test_predictions_match_a_recorded_run_within_20_percent():
     measured = json.loads(MEASURED.read_text())
-    checks = plan.validate(measured, plan.calibrate(measured, SMOLLM2))
+    checks = costmodel.validate(measured, costmodel.calibrate(measured, SMOLLM2))
     assert {c["config"] for c in checks} >= {"recompute", "memory/none", "file/none", "file/default"}
     worst = max(checks, key=lambda c: abs(c["error"]))
     assert abs(worst["error"]) <= 0.20, worst
@@ -96,7 +96,7 @@ def test_codecs_from_bench_json(tmp_path):
     ]}]}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(report))
-    assert plan.codecs_from_bench(path) == [plan.Codec("byteplane|zstd:1", 1.4, 800e6)]
+    assert costmodel.codecs_from_bench(path) == [costmodel.CodecCost("byteplane|zstd:1", 1.4, 800e6)]
 
 
 def test_cli_reports_json():
