@@ -38,8 +38,8 @@ WINNER = "*"
 def legend(threads: int) -> list[str]:
     """What the table's columns mean, printed under the tables."""
     return [
-        f"{WINNER} the best lossless ratio for that file. ratio: original bytes / stored bytes (higher is better); "
-        "K, V: the same for keys and for values alone.",
+        (f"{WINNER} the best lossless ratio for that file. ratio: original bytes / stored bytes (higher is better); "
+         "K, V: the same for keys and for values alone."),
         f"% limit: ratio as a share of the order-0 entropy limit with {LABELS[HEADLINE_LIMIT]} (100 = that limit).",
         f"comp/dec MB/s: MB (10^6 bytes) of original data per second on 1 thread; comp/dec {threads}t: on {threads} threads.",
         f"vs {REFERENCE}: 1-thread compression speed relative to {REFERENCE} in the same run (2.00x = twice as fast).",

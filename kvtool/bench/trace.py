@@ -102,9 +102,12 @@ def read_texts(folder: str | Path | None = None) -> str:
     """The real texts the traces are cut from, joined in name order; by default, in a source
     checkout, ``samples/texts``."""
     checkout = source_checkout()
-    if folder is None and checkout is None:
+    if folder is not None:
+        root = Path(folder)
+    elif checkout is not None:
+        root = checkout / "samples" / "texts"
+    else:
         raise UsageError("name a folder of real texts to cut the trace from (--texts)")
-    root = Path(folder) if folder is not None else checkout / "samples" / "texts"
     files = sorted(p for p in root.glob("*") if p.is_file())
     if not files:
         raise UsageError(f"no text files in {root}")

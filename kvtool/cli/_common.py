@@ -51,7 +51,7 @@ class _StderrHandler(logging.StreamHandler):
     def __init__(self):
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 
@@ -115,7 +115,7 @@ class _HelpFixes:
     named in capitals (``SRC DST``), the same in the usage line."""
 
     def get_params(self, ctx):
-        params = super().get_params(ctx)  # type: ignore[misc]
+        params = super().get_params(ctx)
         for param in params:
             if param.param_type_name == "option" and (getattr(param, "is_flag", False) or getattr(param, "count", False)):
                 param.metavar = ""
@@ -151,7 +151,7 @@ def safetensors_format(path: Path) -> str | None:
     try:
         with safe_open(str(path), framework="numpy") as f:
             return (f.metadata() or {}).get("kvtool.format")
-    except Exception:  # safetensors raises its own types; the caller's reader reports the damage
+    except Exception:  # noqa: BLE001 - safetensors raises its own types; the caller's reader reports the damage
         return None
 
 
