@@ -185,6 +185,22 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", blob, meta);
 }
 
+/* Decodes an exphuff block of `tb` tokens into *scratch (grown as needed: block-sized, so still
+ * in cache for the raw checksum and the copy out) and checks its raw checksum when verifying. */
+static int decode_block_to_scratch(const job *j, const uint8_t *chunk, int dtype, size_t heads, size_t dim,
+                                   size_t raw_len, int verify, uint8_t **scratch, size_t *scratch_size) {
+    if (raw_len > *scratch_size) {
+        free(*scratch);
+        *scratch = malloc(raw_len);
+        *scratch_size = *scratch ? raw_len : 0;
+    }
+    if (!*scratch) return KVN_ERR_NOMEM;
+    kvn_block b = {dtype, heads, j->block_tokens, dim, (size_t)j->block_tokens * dim};
+    int rc = kvn_exphuff_decode(&b, chunk, j->stored_len, *scratch);
+    if (!rc && verify && kvn_xxh3_64(*scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
+    return rc;
+}
+
 /* decode_blocks(src, jobs, out, dtype, heads, tokens, dim, verify) -> (status, failed job or -1)
  * `out` holds C-contiguous tensors [heads, tokens, dim] back to back; each job decodes one block
  * into tensor out_index at token block_start, clipped to the tensor's tokens. */
@@ -232,21 +248,10 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
                         (size_t)heads, row, (size_t)(hi - lo));
             continue;
         }
-        /* Through a block-sized scratch, still in cache for the raw checksum and the copy out. */
-        if (raw_len > scratch_size) {
-            free(scratch);
-            scratch = malloc(raw_len);
-            scratch_size = scratch ? raw_len : 0;
-        }
-        if (!scratch) rc = KVN_ERR_NOMEM;
-        else {
-            kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-            rc = kvn_exphuff_decode(&b, chunk, j->stored_len, scratch);
-            if (!rc && verify && kvn_xxh3_64(scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
-            if (!rc)
-                copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
-                            (size_t)heads, row, (size_t)(hi - lo));
-        }
+        rc = decode_block_to_scratch(j, chunk, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch, &scratch_size);
+        if (!rc)
+            copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
+                        (size_t)heads, row, (size_t)(hi - lo));
         if (rc) { failed = (Py_ssize_t)i; break; }
     }
     Py_END_ALLOW_THREADS
@@ -312,18 +317,8 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
         }
         const uint8_t *block = base + j->offset;
         if (!rc && !(j->flags & JOB_STORED_RAW)) {
-            if (raw_len > scratch_size) {
-                free(scratch);
-                scratch = malloc(raw_len);
-                scratch_size = scratch ? raw_len : 0;
-            }
-            if (!scratch) rc = KVN_ERR_NOMEM;
-            else {
-                kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-                rc = kvn_exphuff_decode(&b, block, j->stored_len, scratch);
-                if (!rc && verify && kvn_xxh3_64(scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
-                block = scratch;
-            }
+            rc = decode_block_to_scratch(j, block, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch, &scratch_size);
+            block = scratch;
         }
         if (rc) { failed = (Py_ssize_t)i; break; }
         for (size_t r = 0; r < nr; r++) {
