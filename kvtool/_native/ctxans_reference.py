@@ -282,8 +282,8 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
                 if back[t, h] > t:
                     raise DecodeError("ctxans: a repeated row points before the block")
                 row[:] = out[t - back[t, h], h]
-                sign, level, _ = fields(row, family)
-                syms = symbols(sign, level, np.array(refs[h * dim : (h + 1) * dim])).tolist()
+                sign, levels, _ = fields(row, family)
+                syms = symbols(sign, levels, np.array(refs[h * dim : (h + 1) * dim])).tolist()
                 for d in range(dim):
                     prev[h * dim + d] = context_of[syms[d]]
                 continue

@@ -239,9 +239,9 @@ def run_accuracy(
         for spec in specs:
             row, parts = _measure(text, spec, split_kv)
             rows.append(row)
-            pooled = sums.setdefault(spec, {})
+            by_part = sums.setdefault(spec, {})
             for part, run in parts.items():
-                pooled[part] = pooled[part] + run if part in pooled else run
+                by_part[part] = by_part[part] + run if part in by_part else run
             step(f"{text.name}: {spec}")
         if layers_of is not None:
             layers += _layer_sensitivity(text, layers_of, step)

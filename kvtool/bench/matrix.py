@@ -21,8 +21,9 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence, cast
 
 from kvtool.bench import peers as peer_tools
 from kvtool.bench.bounds import entropy_limits
@@ -145,11 +146,11 @@ def measure(
     )
     gigabytes = cache.nbytes / 1e9
     for n in sorted({1, threads}):
-        wall, cpu = _best(lambda n=n: write_cache(_CountingSink(), cache, recipe, chunk_tokens, threads=n), repeat)
+        wall, cpu = _best(partial(_encode, cache, recipe, chunk_tokens, n), repeat)
         result.compress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.compress_cpu_s_per_gb = round(cpu / gigabytes, 3)
-        wall, cpu = _best(lambda n=n: _decode(blob, n), repeat)
+        wall, cpu = _best(partial(_decode, blob, n), repeat)
         result.decompress_mbps[str(n)] = _megabytes_per_second(cache.nbytes, wall)
         if n == 1:
             result.decompress_cpu_s_per_gb = round(cpu / gigabytes, 3)
@@ -187,6 +188,10 @@ def measure_peer(cache: KVCache, peer: peer_tools.Peer, repeat: int, chunk_token
 def _ratios(original: dict, stored: dict) -> dict[str, float]:
     """Original bytes over stored chunk bytes, per group (planes may be larger than the data they hold)."""
     return {str(key): round(original[key] / group["stored"], 4) for key, group in stored.items() if group["stored"]}
+
+
+def _encode(cache: KVCache, recipe: Recipe, chunk_tokens: int, threads: int) -> None:
+    write_cache(cast(BinaryIO, _CountingSink()), cache, recipe, chunk_tokens, threads=threads)
 
 
 def _decode(blob: bytes, threads: int) -> None:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from kvtool.cache import KVCache
 
-#: A peer: how to build (compress, decompress) for a dtype, or why it cannot run.
-Codec = tuple[Callable[[bytes], object], Callable[..., object]]
+#: A peer: how to build (compress, decompress) for a dtype, or why it cannot run. Both give a buffer
+#: (bytes, bytearray or a numpy array, as the tool makes it).
+Codec = tuple[Callable[[bytes], Any], Callable[..., Any]]
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,13 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
     reference = next((r for r in file.results if r.recipe == REFERENCE and r.status == OK), None)
     columns = ["recipe", "ratio", "% limit", "K", "V", "comp MB/s", f"comp {n}t", "dec MB/s", f"dec {n}t",
                "vs zstd:3", "cpu s/GB c", "cpu s/GB d", "planes"]
-    best = max((r.ratio for r in file.results if r.status == OK and not r.lossy), default=None)  # lossless
-    rows = []
+    best = max((r.ratio for r in file.results if r.status == OK and not r.lossy and r.ratio is not None), default=None)  # lossless
+    rows: list[dict[str, Any]] = []
     for r in file.results:
         if r.status != OK:
             rows.append({"recipe": r.recipe, "planes": f"{r.status}: {r.reason}"})
             continue
+        assert r.ratio is not None  # every measured result has its ratio
         rows.append({
             "recipe": f"{label(r)} {WINNER}" if r.ratio == best else label(r),
             "ratio": r.ratio,

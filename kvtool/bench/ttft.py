@@ -174,7 +174,7 @@ def summarise(engine: str, model_id: str, trace: Sequence[Turn], results: dict[s
     for name, rows in results.items():
         ttfts = [r["ttft_s"] for r in rows]
         tier, _, recipe = name.partition("/")
-        row = {
+        row: dict[str, Any] = {
             "config": name, "tier": tier if recipe else None, "recipe": RECIPES.get(recipe) if recipe else None,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
         }

@@ -106,6 +106,7 @@ def lossy_summary(reader: container.KvzReader) -> dict[str, Any] | None:
 def lossy_note(reader: container.KvzReader) -> str:
     """One line on what a lossy .kvz holds, for the commands that read or write one."""
     summary = lossy_summary(reader)
+    assert summary is not None, "lossy_note is for lossy files only"
     return (
         f"lossy recipe {reader.recipe.spec()!r}: the cache is an approximation "
         f"(largest error {summary['max_abs']:.4g}; RMS error at most {100 * summary['rel_rms']:.3g}% of a tensor's RMS)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -116,7 +116,7 @@ def _shape(config: Optional[Path], name: str, layers, kv_heads, head_dim, dtype:
     if config:
         existing_file(config)
         base = model.shape_from_gguf(config, dtype) if config.suffix == ".gguf" else model.shape_from_config(config, dtype)
-    values = {
+    values: dict[str, Any] = {
         "name": base.name if base else name,
         "layers": layers or (base and base.layers),
         "kv_heads": kv_heads or (base and base.kv_heads),

@@ -43,11 +43,11 @@ def reorder(
     if inverse == (layout is not None):
         raise UsageError("give either --layout SPEC or --inverse")
     distinct_output(existing_file(src), dst)
-    chain = None if inverse else parse_layouts(layout)
+    chain = None if layout is None else parse_layouts(layout)
     if chain is not None and chain.lossy:
         raise UsageError(f"layout {layout!r} is lossy: reorder writes planes it can undo bit for bit; "
                          "a lossy stage belongs in a recipe (kvtool compress --recipe)")
-    report, text = _restore_file(src, dst) if inverse else _reorder_file(src, dst, chain, pattern)
+    report, text = _restore_file(src, dst) if chain is None else _reorder_file(src, dst, chain, pattern)
     if json_out:
         print_json(report)
     else:

@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -135,7 +135,7 @@ def get(
 def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
     """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
     with _open_to_report(store) as s:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for key in s.keys():
             info = s.info(key)
             if info is None:
@@ -303,7 +303,7 @@ def lookup(
     api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
 ):
     """How many tokens of a prompt are stored, and in which tiers (through the API with --api, else in --store)."""
-    fields = dict(model=model, salt=salt, recipe=recipe, chunk_tokens=chunk_tokens, scheme=scheme,
+    fields: dict[str, Any] = dict(model=model, salt=salt, recipe=recipe, chunk_tokens=chunk_tokens, scheme=scheme,
                   block_size=block_size, kv_dtype=kv_dtype, tp_size=tp_size, hash_algo=hash_algo)
     ids = _token_ids(tokens, tokens_file)
     if api is not None:
@@ -350,6 +350,7 @@ def _token_ids(text: Optional[str], path: Optional[Path]) -> list[int]:
         raise UsageError("give the prompt's token ids with --tokens or --tokens-file")
     if path is not None:
         text = typer.get_text_stream("stdin").read() if str(path) == "-" else existing_file(path).read_text()
+    assert text is not None  # exactly one of the two is given, checked above
     text = text.strip()
     try:
         ids = json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]

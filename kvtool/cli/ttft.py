@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -44,6 +44,8 @@ def ttft(
     def say(message: str) -> None:
         typer.echo(f"[ttft] {message}", err=True)
 
+    runner: Any
+    run: Callable[..., dict[str, Any]]
     if engine == "hf":
         from kvtool.bench.ttft_hf import HFEngine
 

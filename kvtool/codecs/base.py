@@ -70,7 +70,7 @@ class Codec(Component, abc.ABC):
         return Availability(True)
 
     @classmethod
-    def spec_value(cls, arg: str) -> int:
+    def spec_value(cls, arg: str) -> int | str:
         try:
             return int(arg)
         except ValueError:

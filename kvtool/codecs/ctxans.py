@@ -20,6 +20,8 @@ same bytes, slowly. docs/FORMAT.md has the format.
 from __future__ import annotations
 
 import threading
+from types import ModuleType
+from typing import cast
 
 import numpy as np
 
@@ -99,9 +101,9 @@ class CtxAnsCodec(ArrayCodec):
         if model is None:
             return reference.encode(block, name, dictionary.tables, dictionary.tag)
         contiguous = np.ascontiguousarray(block)
-        return _native.core().ctxans_encode(_bytes_of(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
+        return _native_core().ctxans_encode(_bytes_of(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
 
-    def decode_array(self, buf: BufferLike, shape: tuple[int, int, int], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
         name = self._name(dtype, shape)
         if out is None:
             out = np.empty(shape, dtype)
@@ -109,12 +111,19 @@ class CtxAnsCodec(ArrayCodec):
             raise UsageError(f"ctxans decodes into a C-contiguous {list(shape)} {np.dtype(dtype)} array")
         dictionary, model = self._loaded()
         if model is None:
-            out.view(f"u{out.itemsize}")[...] = reference.decode(as_memoryview(buf), name, tuple(shape), dictionary.tables, dictionary.tag)
+            out.view(f"u{out.itemsize}")[...] = reference.decode(as_memoryview(buf), name, cast(tuple[int, int, int], tuple(shape)), dictionary.tables, dictionary.tag)
             return out
-        status = _native.core().ctxans_decode(as_memoryview(buf), _bytes_of(out), model, _native.DTYPE_CODES[name], *shape)
+        status = _native_core().ctxans_decode(as_memoryview(buf), _bytes_of(out), model, _native.DTYPE_CODES[name], *shape)
         if status:
             raise DecodeError(f"ctxans: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
         return out
+
+
+def _native_core() -> ModuleType:
+    """The native core, which a loaded model implies (models are built only when it is there)."""
+    core = _native.core()
+    assert core is not None
+    return core
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:

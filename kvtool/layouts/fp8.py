@@ -66,7 +66,7 @@ class Fp8(LossyLayout):
         heads, tokens, dim = spec.shape
         size = self._group_size(tokens)
         groups = -(-tokens // size)
-        rows = np.zeros((heads, groups * (size + 1), dim), np.uint8)
+        rows: np.ndarray = np.zeros((heads, groups * (size + 1), dim), np.uint8)
         rows[:, : tokens + groups] = planes[0].view(np.uint8)
         rows = rows.reshape(heads, groups, size + 1, dim)
         exponents = rows[:, :, 0].view(np.int8).astype(np.int32)

@@ -21,7 +21,7 @@ one stage: ``int:4,k=channel,v=token,group=32``.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, cast
 
 import numpy as np
 
@@ -154,7 +154,7 @@ def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: It
     the same order; the tensors were cut in blocks of ``chunk_tokens``.
     """
     for (layer, kind, array), approx in zip(tensors, restored):
-        stage = chain.for_kind(kind)[0]
+        stage = cast(LossyLayout, chain.for_kind(kind)[0])
         for start in range(0, array.shape[1], chunk_tokens):
             block = array[:, start : start + chunk_tokens]
             error = np.abs(approx[:, start : start + chunk_tokens].astype(np.float64) - block.astype(np.float64))

@@ -178,7 +178,7 @@ def create_app(
     _add_error_handlers(api)
     api.include_router(_open_routes(ctx))
     api.include_router(_authenticated_routes(ctx, limits))
-    api.openapi = lambda: _openapi_with_security(api)
+    api.openapi = lambda: _openapi_with_security(api)  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
 
     metrics = ApiMetrics(store, lambda: {"event_streams": ctx.hub.listeners, "scheduled_prefetches": ctx.later.pending()})
     api.state.metrics = metrics
@@ -234,7 +234,7 @@ def _open_routes(ctx: ApiContext) -> APIRouter:
 
 
 def _authenticated_routes(ctx: ApiContext, limits: Limits) -> APIRouter:
-    errors = {status: {"model": ErrorBody} for status in (401, 413, 422, 429, 500, 503)}
+    errors: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody} for status in (401, 413, 422, 429, 500, 503)}
     router = APIRouter(prefix="/v1", responses=errors)
     store = ctx.store
 
@@ -266,6 +266,7 @@ def _authenticated_routes(ctx: ApiContext, limits: Limits) -> APIRouter:
         row = _row(ctx, key, with_meta=True)
         if row is None:
             raise _NotFound(key)
+        assert isinstance(row, EntryDetail)  # with_meta gives the detail
         return row
 
     @router.get("/entry/value", response_class=Response, tags=["store"],
@@ -397,7 +398,11 @@ def _lookup(ctx: ApiContext, query: PrefixQuery) -> LookupResult:
 def _selected(ctx: ApiContext, body: Selection) -> list[str]:
     if (body.keys is None) == (body.prefix is None):
         raise UsageError("give either 'keys' or 'prefix'")
-    keys = body.keys if body.keys is not None else _lookup(ctx, body.prefix).keys
+    if body.keys is not None:
+        keys = body.keys
+    else:
+        assert body.prefix is not None  # exactly one of the two, checked above
+        keys = _lookup(ctx, body.prefix).keys
     for key in keys:
         check_key(key)
     return list(dict.fromkeys(keys))
@@ -415,7 +420,7 @@ def _row(ctx: ApiContext, key: str, with_meta: bool = False) -> EntryRow | None:
     info = ctx.store.info(key)
     if info is None:
         return None
-    fields = dict(key=key, tier=ctx.store.tier_of(key), bytes=info.size, tokens=info.tokens,
+    fields: dict[str, Any] = dict(key=key, tier=ctx.store.tier_of(key), bytes=info.size, tokens=info.tokens,
                   pinned=ctx.store.is_pinned(key), due_in_s=ctx.policy.due_in(key))
     return EntryDetail(**fields, meta=info.meta) if with_meta else EntryRow(**fields)
 

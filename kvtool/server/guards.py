@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, MutableMapping, Sequence
 
 from kvtool.server.auth import token_matches
 
@@ -31,9 +31,11 @@ ERROR_CODES = {
     "not_stored": 507,
 }
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
+# The ASGI types as Starlette declares them.
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -98,7 +100,7 @@ class BodyGuard:
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
 
-        async def replay() -> dict:
+        async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import xxhash
 
@@ -35,6 +35,8 @@ from kvtool.store import PrefixKeyer, Store, TieredStore
 SCHEMES = ("prefix", "vllm")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic hashes when PYTHONHASHSEED is unset
 MAX_TOKENS = 1 << 20
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -145,7 +147,8 @@ def lookup_prefix(store: Store, query: PrefixQuery, hasher: BlockHasher | None =
     if query.scheme == "vllm":
         chunks = _vllm_chunks(store, query, hasher)
     else:
-        keyer = PrefixKeyer(query.model, query.recipe, query.salt, query.chunk_tokens)
+        keyer = PrefixKeyer(_filled(query.model, "model"), _filled(query.recipe, "recipe"), _filled(query.salt, "salt"),
+                            _filled(query.chunk_tokens, "chunk_tokens"))
         keys = keyer.keys(query.tokens)
         present = store.contains_many(keys)
         run = present.index(False) if False in present else len(keys)
@@ -153,11 +156,12 @@ def lookup_prefix(store: Store, query: PrefixQuery, hasher: BlockHasher | None =
     result = LookupResult(len(query.tokens), 0)
     for keys, tokens in chunks:
         tiers = [_tier_of(store, key) for key in keys]
-        if None in tiers:  # gone since it was found: the stored prefix ends here
+        found = [tier for tier in tiers if tier is not None]
+        if len(found) < len(tiers):  # gone since it was found: the stored prefix ends here
             break
         result.chunks.append(StoredChunk(keys, tokens, tiers))
         result.stored_tokens += tokens
-        slowest = max(tiers, key=lambda name: _tier_rank(store, name))
+        slowest = max(found, key=lambda name: _tier_rank(store, name))
         result.tokens_by_tier[slowest] = result.tokens_by_tier.get(slowest, 0) + tokens
     return result
 
@@ -166,14 +170,23 @@ def _vllm_chunks(store: Store, query: PrefixQuery, hasher: BlockHasher | None) -
     from kvtool.integrations.vllm.plan import EntryNamer, find_stored_prefix, tokens_in
     from kvtool.integrations.vllm.settings import ConnectorSettings
 
-    if hasher is None or hasher.algo != query.hash_algo:
-        hasher = BlockHasher(query.hash_algo, query.hash_seed)
-    block_size = query.block_size
-    namer = EntryNamer(query.model, Recipe.parse(query.recipe).spec(), query.kv_dtype, block_size, query.tp_size)
-    hashes = hasher.hashes(query.tokens, block_size, query.salt)
-    per_entry = ConnectorSettings(chunk_tokens=query.chunk_tokens).blocks_per_entry(block_size)
+    hash_algo = _filled(query.hash_algo, "hash_algo")
+    if hasher is None or hasher.algo != hash_algo:
+        hasher = BlockHasher(hash_algo, _filled(query.hash_seed, "hash_seed"))
+    block_size = _filled(query.block_size, "block_size")
+    namer = EntryNamer(_filled(query.model, "model"), Recipe.parse(_filled(query.recipe, "recipe")).spec(),
+                       _filled(query.kv_dtype, "kv_dtype"), block_size, _filled(query.tp_size, "tp_size"))
+    hashes = hasher.hashes(query.tokens, block_size, _filled(query.salt, "salt"))
+    per_entry = ConnectorSettings(chunk_tokens=_filled(query.chunk_tokens, "chunk_tokens")).blocks_per_entry(block_size)
     spans = find_stored_prefix(hashes, len(hashes), per_entry, namer, store.contains_many, tokens_in(store))
     return [(namer.keys(span.entry_id), span.num_blocks * block_size) for span in spans]
+
+
+def _filled(value: T | None, name: str) -> T:
+    """A query field that ``PrefixQuery.with_defaults`` fills; None means the query skipped it."""
+    if value is None:
+        raise UsageError(f"a lookup needs {name!r}: fill the query's defaults (PrefixQuery.with_defaults) first")
+    return value
 
 
 def _tier_of(store: Store, key: str) -> str | None:

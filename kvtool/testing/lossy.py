@@ -19,6 +19,7 @@ real K/V blocks ``[heads, tokens, dim]``.
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from kvtool.cache import DTYPES
 from kvtool.errors import DecodeError, UsageError
 from kvtool.layouts import Layout, LayoutChain, get_layout, layout_from_config
 from kvtool.layouts.base import PlaneSpec
-from kvtool.layouts.lossy import LOSSY_INPUTS
+from kvtool.layouts.lossy import LOSSY_INPUTS, LossyLayout
 from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import TOKEN_COUNTS, bits_of, stored_and_read_back
 
@@ -36,7 +37,7 @@ KINDS = ("k", "v")
 
 def assert_within_bound(layout: Layout, array: np.ndarray, kind: str) -> np.ndarray:
     """Round-trip ``array`` through ``layout`` bound to ``kind`` and its planes' bytes; return the approximation."""
-    bound = layout.for_kind(kind)
+    bound = cast(LossyLayout, layout.for_kind(kind))
     before = bits_of(array).copy()
     inputs = [PlaneSpec.of(array)]
     specs = bound.plan(inputs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any, Callable, cast
 
 import numpy as np
 import pytest
@@ -29,6 +30,12 @@ from kvtool.testing.shared import KEYS as SHARED_KEYS
 from kvtool.testing.shared import is_valid, run_processes
 
 KEYS = ["a", "b", "model/7:chunk-0", "ключ", "k" * 300]
+
+
+def _record_of(store: Store, key: str) -> bytes:
+    record = store.read_record(key)
+    assert record is not None, f"no record for {key!r}"
+    return record
 
 
 def _payload(size: int, seed: int = 0) -> bytes:
@@ -109,23 +116,26 @@ class StoreTests:
     @pytest.mark.parametrize("kind", ["bytearray", "memoryview", "numpy-u16"])
     def test_bytes_like_values(self, store: Store, kind):
         value = _payload(1000)
-        buffer = {"bytearray": bytearray, "memoryview": memoryview,
-                  "numpy-u16": lambda v: np.frombuffer(v, dtype=np.uint16)}[kind](value)
+        makers: dict[str, Callable[[bytes], Any]] = {"bytearray": bytearray, "memoryview": memoryview,
+                                                     "numpy-u16": lambda v: np.frombuffer(v, dtype=np.uint16)}
+        buffer = makers[kind](value)
         assert store.put("k", buffer)
         assert store.get("k") == value
 
     def test_non_buffer_values_are_refused(self, store: Store):
         with pytest.raises(UsageError):
-            store.put("k", "text")
+            store.put("k", cast(Any, "text"))  # not a buffer: the type a caller might wrongly pass
         with pytest.raises(UsageError):
-            store.put("k", np.zeros((4, 4), dtype=np.uint8)[:, ::2])  # not contiguous
+            store.put("k", cast(Any, np.zeros((4, 4), dtype=np.uint8)[:, ::2]))  # not contiguous
 
     def test_metadata(self, store: Store):
         store.put("k", b"v" * 10, {"tokens": 5, "raw_bytes": 100, "note": "x"})
         entry = store.get_entry("k")
+        assert entry is not None
         assert entry.meta == {"tokens": 5, "raw_bytes": 100, "note": "x"}
         assert bytes(entry.value) == b"v" * 10
         info = store.info("k")
+        assert info is not None
         assert (info.tokens, info.raw_bytes, info.size) == (5, 100, entry.size)
 
     def test_keys_and_delete(self, store: Store):
@@ -164,7 +174,7 @@ class StoreTests:
     def test_damaged_value_is_a_logged_miss(self, store: Store, damage, caplog):
         value = _payload(5000, seed=3)
         store.put("k", value)
-        record = bytearray(store.read_record("k"))
+        record = bytearray(_record_of(store, "k"))
         if damage == "flip-value":
             record[-100] ^= 0x10
         elif damage == "flip-header":
@@ -183,7 +193,7 @@ class StoreTests:
 
     def test_record_of_another_key_is_a_miss(self, store: Store, caplog):
         store.put("a", b"value of a")
-        store.write_record("b", store.read_record("a"))
+        store.write_record("b", _record_of(store, "a"))
         with caplog.at_level(logging.WARNING, logger="kvtool.store"):
             assert store.get("b") is None
         assert "another key" in caplog.text
@@ -191,7 +201,7 @@ class StoreTests:
 
     def test_read_only_reads_and_changes_nothing(self, store: Store, caplog):
         store.put("k", b"value")
-        record = bytearray(store.read_record("k"))
+        record = bytearray(_record_of(store, "k"))
         record[-1] ^= 0x01
         store.write_record("damaged", bytes(record))
         store.read_only = True
@@ -259,7 +269,8 @@ class BoundedStoreTests(StoreTests):
         value = _payload(self.CAPACITY // 5)
         for i in range(20):
             assert capacity_store.put(f"k{i}", value)
-            assert capacity_store.used_bytes <= self.CAPACITY
+            used = capacity_store.used_bytes
+            assert used is not None and used <= self.CAPACITY
             assert capacity_store.get(f"k{i}") == value
         assert 1 <= len(capacity_store.keys()) <= 5
 
@@ -281,7 +292,9 @@ class BoundedStoreTests(StoreTests):
     def test_refused_re_put_keeps_the_old_value(self, capacity_store: Store):
         assert capacity_store.put("k", b"old", {"tokens": 1})
         assert not capacity_store.put("k", _payload(self.CAPACITY + 1), {"tokens": 2})
-        assert capacity_store.get("k") == b"old" and capacity_store.info("k").tokens == 1
+        assert capacity_store.get("k") == b"old"
+        info = capacity_store.info("k")
+        assert info is not None and info.tokens == 1
 
     def test_evictions_are_counted(self, capacity_store: Store):
         value = _payload(self.CAPACITY // 4)
@@ -313,7 +326,9 @@ class SharedStoreTests:
         with open_store(shared_url, read_only=True) as store:
             assert set(store.keys()) <= set(SHARED_KEYS)
             for key in store.keys():
-                assert is_valid(key, store.get(key))
+                value = store.get(key)
+                assert value is not None and is_valid(key, value)
             if store.capacity is not None:
-                assert store.used_bytes <= store.capacity
+                used = store.used_bytes
+                assert used is not None and used <= store.capacity
                 assert max(r["max_used_bytes"] for r in reports) <= store.capacity
