@@ -295,3 +295,16 @@ def test_thread_keys_are_reclaimed_only_for_the_known_library_version():
         assert lib._reclaimer is None and f"zlib after {_qatzip.SOFTWARE_CALL_BUDGET} calls" in fixes["thread_keys"]
     rows = {row["id"]: row for row in json.loads(CliRunner().invoke(app, ["codecs", "--json"]).stdout)}
     assert rows["qat"]["thread_keys"] == fixes["thread_keys"] and "stderr filter" in rows["qat"]["implementation"]
+
+
+def test_one_shot_commands_filter_the_probe_line_while_their_threads_run(tmp_path: Path):
+    """`kvtool bench` runs qat on worker threads; a command's terminal still gets no probe lines."""
+    require_available("qat")
+    env = {k: v for k, v in os.environ.items() if k != _qatzip.FILTER_ENV_VAR}
+    cache = Path(__file__).resolve().parents[1] / "samples" / "code.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtool", "bench", str(cache), "-r", "qat", "--repeat", "1", "--threads", "2", "--no-peers"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _qatzip._PROBE_NOISE.decode() not in proc.stderr

@@ -128,8 +128,21 @@ def _on_sigterm(signum, frame):
     raise Terminated
 
 
+#: A one-shot command owns its terminal: QATzip's software fallback prints a probe line on every
+#: call, filtered even while the command's worker threads run. ``kvtool serve`` keeps the
+#: library's rule (filtered only while one thread runs): pointing file descriptor 2 elsewhere
+#: would hold back the other threads' messages in a long-running server.
+QATZIP_FILTER_VAR = "KVTOOL_QATZIP_FILTER_STDERR"
+
+
+def _command_name(args: list[str]) -> str | None:
+    return next((arg for arg in args if not arg.startswith("-")), None)
+
+
 def run() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if _command_name(sys.argv[1:]) != "serve":
+        os.environ.setdefault(QATZIP_FILTER_VAR, "1")
     try:
         app(prog_name="kvtool")
     except KeyboardInterrupt:
