@@ -87,7 +87,7 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _remove_abandoned_parts(path: Path) -> None:
@@ -116,7 +116,8 @@ def _remove_if_unlocked(part: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable."""
     with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
         fd = os.open(directory, os.O_RDONLY)
         try:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar, Collection, Union
 
 import numpy as np
 
+from kvtool import _native
 from kvtool.component import Component
+from kvtool.dtypes import dtype_of
 from kvtool.errors import OutputTooLargeError, UsageError
 
 BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
@@ -106,3 +108,19 @@ class ArrayCodec(Codec):
 
     def decode(self, buf: BufferLike, max_size: int) -> bytes:
         raise UsageError(f"codec {self.codec_id!r} decodes KV tensors inside a .kvz file, not plain streams")
+
+
+class NativeArrayCodec(ArrayCodec):
+    """An array codec of kvtool's native core (numpy reference without it) for the dtype families it names."""
+
+    families: Collection[str] = ()  # dtype names, as kvtool.dtypes names them
+
+    @classmethod
+    def available(cls) -> Availability:
+        return Availability(True, implementation=_native.status())
+
+    def supports(self, dtype: np.dtype) -> bool:
+        try:
+            return dtype_of(np.dtype(dtype)).name in self.families
+        except UsageError:
+            return False

@@ -28,7 +28,7 @@ import numpy as np
 from kvtool import _native
 from kvtool._native import ctxans_reference as reference
 from kvtool.cache import dtype_of
-from kvtool.codecs.base import ArrayCodec, Availability, BufferLike, as_memoryview
+from kvtool.codecs.base import NativeArrayCodec, BufferLike, as_memoryview
 from kvtool.errors import DecodeError, UsageError
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import Dictionary
@@ -38,10 +38,11 @@ MAX_TOKENS = 1 << 22
 _CORE_ERRORS = {1: "malformed chunk", 3: "the chunk was coded with another dictionary"}
 
 
-class CtxAnsCodec(ArrayCodec):
+class CtxAnsCodec(NativeArrayCodec):
     codec_id = "ctxans"
     params = ("dict",)
     spec_param = "dict"
+    families = reference.FAMILIES
 
     def __init__(self, dict: str | None = None):  # "dict": the config key users write
         if dict is None:
@@ -56,15 +57,6 @@ class CtxAnsCodec(ArrayCodec):
     def spec_value(cls, arg: str) -> str:
         return registry.resolve(arg)
 
-    @classmethod
-    def available(cls) -> Availability:
-        return Availability(True, implementation=_native.status())
-
-    def supports(self, dtype: np.dtype) -> bool:
-        try:
-            return dtype_of(np.dtype(dtype)).name in reference.FAMILIES
-        except UsageError:
-            return False
 
     def dictionary(self) -> Dictionary:
         """The dictionary this codec codes with (looked up on first use)."""

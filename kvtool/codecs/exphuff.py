@@ -21,25 +21,17 @@ import numpy as np
 from kvtool import _native
 from kvtool._native import reference
 from kvtool.dtypes import dtype_of
-from kvtool.codecs.base import ArrayCodec, Availability, BufferLike, as_memoryview
+from kvtool.codecs.base import NativeArrayCodec, BufferLike, as_memoryview
 from kvtool.errors import DecodeError, UsageError
 
 _CORE_ERRORS = {1: "malformed chunk", 3: "geometry the chunk does not fit"}
 
 
-class ExpHuffCodec(ArrayCodec):
+class ExpHuffCodec(NativeArrayCodec):
     codec_id = "exphuff"
     spec_param = None
+    families = reference.FAMILIES
 
-    @classmethod
-    def available(cls) -> Availability:
-        return Availability(True, implementation=_native.status())
-
-    def supports(self, dtype: np.dtype) -> bool:
-        try:
-            return dtype_of(np.dtype(dtype)).name in reference.FAMILIES
-        except UsageError:
-            return False
 
     def _name(self, dtype: np.dtype) -> str:
         if not self.supports(dtype):

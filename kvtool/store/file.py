@@ -67,6 +67,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import unquote
 
 from kvtool.errors import UsageError
+from kvtool.fileio import fsync_dir
 from kvtool.store.base import StagedWrite, Store, log
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info
 from kvtool.store.url import parse_options, split_query
@@ -321,7 +322,7 @@ class FileStore(Store):
                 view = view[os.write(fd, view):]
             os.fsync(fd)
             os.rename(part, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
@@ -538,11 +539,3 @@ def _unlink(path: Path) -> int:
     except FileNotFoundError:
         return 0
 
-
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
