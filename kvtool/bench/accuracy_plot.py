@@ -39,6 +39,7 @@ def plot_accuracy(report: Report, out: Path) -> None:
             ax.axhline(limit, ls="--", lw=0.9, color="C1")
         for target in TARGETS:
             ax.axvline(target.ratio, ls=":", lw=0.9, color="C2")
+        ax.margins(x=0.12)  # room for the labels of the rightmost points
         ax.set_yscale("symlog", linthresh=1.0)
         ax.yaxis.set_major_locator(FixedLocator(TICKS))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -49,7 +50,7 @@ def plot_accuracy(report: Report, out: Path) -> None:
     s = report.settings
     fig.suptitle(
         f"kvtool bench accuracy: {s['model']}, {len(report.texts)} texts, prefix {s['prefix']} tokens, "
-        f"{s['positions']} positions each; dashed: targets ({'; '.join(t.describe() for t in TARGETS)})",
+        f"{s['positions']} positions each\ndashed: targets ({'; '.join(t.describe() for t in TARGETS)})",
         fontsize=9,
     )
     fig.tight_layout()

@@ -36,6 +36,7 @@ into the cache's dtype). Values beyond fp16's range (65504) are refused.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 
@@ -99,42 +100,49 @@ class IntQuant(LossyLayout):
     def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
         values = finite_values(self.layout_id, plane)
         heads, tokens, dim = values.shape
-        groups = self._grouped(values)  # [heads, rows, groups per row, group]
+        groups = self._grouped(values)
         low, scale = self._group_params(groups)
-        safe = np.where(scale > 0, scale, 1.0)[..., None]
-        codes = np.clip(np.rint((groups - low[..., None]) / safe), 0, (1 << self.bits) - 1).astype(np.uint8)
+        codes = groups - low
+        codes /= np.where(scale > 0, scale, 1.0)
+        np.clip(np.rint(codes, out=codes), 0, (1 << self.bits) - 1, out=codes)
         scales = np.zeros(self.plan_plane(PlaneSpec.of(plane))[1].shape, np.float16)
-        used = low.shape[1] * low.shape[2]
-        scales[:, :used, 0] = scale.reshape(heads, used)
-        scales[:, :used, 1] = low.reshape(heads, used)
-        return [_pack(self._ungrouped(codes, tokens, dim), self.bits), scales]
+        used = low.size // max(heads, 1)
+        scales[:, :used, 0] = self._in_plane_order(scale)
+        scales[:, :used, 1] = self._in_plane_order(low)
+        return [_pack(self._ungrouped(codes.astype(np.uint8), tokens, dim), self.bits), scales]
 
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         heads, tokens, dim = spec.shape
         codes = _unpack(planes[0], heads * tokens * dim, self.bits).reshape(heads, tokens, dim)
         grouped = self._grouped(codes)
-        used = grouped.shape[1] * grouped.shape[2]
+        used = math.prod(grouped.shape[1:]) // self.group
         scales = planes[1][:, :used].astype(np.float32)
-        scale = scales[..., 0].reshape(grouped.shape[:3])[..., None]
-        low = scales[..., 1].reshape(grouped.shape[:3])[..., None]
+        values = grouped.astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):  # only damaged scales overflow; checksums catch those first
-            values = grouped.astype(np.float32) * scale + low
+            values *= self._from_plane_order(scales[..., 0], grouped.shape)
+            values += self._from_plane_order(scales[..., 1], grouped.shape)
         return self._ungrouped(values, tokens, dim).astype(spec.dtype)
 
     def error_bound(self, block: np.ndarray) -> np.ndarray:
         values = block.astype(np.float64)
-        heads, tokens, dim = values.shape
-        low, scale = self._group_params(self._grouped(values))
-        shape = (heads,) + low.shape[1:] + (self.group,)
-        step = self._ungrouped(np.broadcast_to(scale[..., None], shape), tokens, dim)
-        floor = self._ungrouped(np.broadcast_to(np.abs(low)[..., None], shape), tokens, dim)
+        _, tokens, dim = values.shape
+        groups = self._grouped(values)
+        low, scale = self._group_params(groups)
+        step = self._ungrouped(np.broadcast_to(scale, groups.shape), tokens, dim)
+        floor = self._ungrouped(np.broadcast_to(np.abs(low), groups.shape), tokens, dim)
         magnitude = np.abs(values) + step
         fp32 = rounding_bound(magnitude + floor, DTYPES["fp32"])  # q * scale + min, in fp32
         return 0.5 * step + 2 * fp32 + rounding_bound(magnitude, dtype_of(block.dtype))
 
+    # -- groups: ``[heads, tokens, dim]`` cut along the axis, without moving the data -------------
+    @property
+    def _group_axis(self) -> int:
+        """Where a group's values run in ``_grouped``'s output."""
+        return 2 if self.axis == "channel" else 3
+
     def _group_params(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per group the stored ``min`` (rounded down to fp16) and ``scale`` (rounded up), as float64."""
-        least, most = groups.min(axis=-1), groups.max(axis=-1)
+        """Per group the stored ``min`` (rounded down to fp16) and ``scale`` (rounded up), as float64, shaped to broadcast over ``groups``."""
+        least, most = groups.min(axis=self._group_axis, keepdims=True), groups.max(axis=self._group_axis, keepdims=True)
         if groups.size and max(-least.min(), most.max()) > FP16_MAX:
             raise UsageError(f"layout {self.layout_id!r} stores fp16 scales: values beyond +-{FP16_MAX:g} do not fit (use fp8 or mant-round)")
         low = _fp16_toward(least, -np.inf)
@@ -142,20 +150,43 @@ class IntQuant(LossyLayout):
         return low, scale
 
     def _grouped(self, values: np.ndarray) -> np.ndarray:
-        """``[heads, tokens, dim]`` as ``[heads, rows, groups per row, group]``, the last group padded with its own last value."""
+        """``[heads, token groups, group, dim]`` (channel) or ``[heads, tokens, channel groups, group]`` (token).
+
+        A view where the group divides the axis; otherwise the last group is
+        padded with its own last value.
+        """
         heads, tokens, dim = values.shape
-        rows, per_row, length = self._counts(self.axis, tokens, dim)
-        lined = values.transpose(0, 2, 1) if self.axis == "channel" else values
-        if length == 0 or rows == 0:
-            return np.zeros((heads, rows, per_row, self.group), values.dtype)
-        padded = np.pad(lined, [(0, 0), (0, 0), (0, per_row * self.group - length)], mode="edge")
-        return padded.reshape(heads, rows, per_row, self.group)
+        axis = 1 if self.axis == "channel" else 2
+        per_row = -(-values.shape[axis] // self.group)
+        missing = per_row * self.group - values.shape[axis]
+        if missing:
+            widths = [(0, 0)] * 3
+            widths[axis] = (0, missing)
+            values = np.pad(values, widths, mode="edge") if values.size else np.zeros(
+                [n + w for n, (_, w) in zip(values.shape, widths)], values.dtype)
+        shape = (heads, per_row, self.group, dim) if axis == 1 else (heads, tokens, per_row, self.group)
+        return values.reshape(shape)
 
     def _ungrouped(self, grouped: np.ndarray, tokens: int, dim: int) -> np.ndarray:
         """The inverse of ``_grouped``: a C-contiguous ``[heads, tokens, dim]``."""
-        heads, rows, per_row, group = grouped.shape
-        lined = grouped.reshape(heads, rows, per_row * group)[:, :, : (tokens if self.axis == "channel" else dim)]
-        return np.ascontiguousarray(lined.transpose(0, 2, 1) if self.axis == "channel" else lined)
+        heads, a, b, c = grouped.shape
+        if self.axis == "channel":  # [heads, token groups, group, dim]
+            return np.ascontiguousarray(grouped.reshape(heads, a * b, c)[:, :tokens])
+        return np.ascontiguousarray(grouped.reshape(heads, a, b * c)[:, :, :dim])  # [heads, tokens, channel groups, group]
+
+    def _in_plane_order(self, param: np.ndarray) -> np.ndarray:
+        """Per-group parameters as the scales plane orders them: ``[heads, dim, token groups]`` or ``[heads, tokens, channel groups]``, flat per head."""
+        if self.axis == "channel":
+            param = param[:, :, 0, :].transpose(0, 2, 1)
+        return param.reshape(param.shape[0], -1)
+
+    def _from_plane_order(self, flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """The inverse of ``_in_plane_order``, shaped to broadcast over groups of ``shape``."""
+        if self.axis == "channel":
+            heads, token_groups, _, dim = shape
+            return flat.reshape(heads, dim, token_groups).transpose(0, 2, 1)[:, :, None, :]
+        heads, tokens, channel_groups, _ = shape
+        return flat.reshape(heads, tokens, channel_groups, 1)
 
 
 def _fp16_toward(values: np.ndarray, direction: float) -> np.ndarray:
@@ -167,30 +198,43 @@ def _fp16_toward(values: np.ndarray, direction: float) -> np.ndarray:
 
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes below ``2**bits`` as a dense bit stream, most significant bit first."""
+    """Codes below ``2**bits`` as a dense bit stream, most significant bit first (as ``np.packbits`` would).
+
+    Codes go in units of ``n`` (the fewest that fill whole bytes: 4 codes in 3
+    bytes at 6 bits), each unit one uint64 whose low ``n * bits`` bits are
+    written big-endian; the zero codes that fill the last unit are cut off.
+    """
     flat = codes.reshape(-1)
     if bits == 8:
         return flat.copy()
-    if 8 % bits == 0:  # whole codes per byte: shift them into place
-        per_byte = 8 // bits
-        padded = np.zeros(-(-flat.size // per_byte) * per_byte, np.uint8)
-        padded[: flat.size] = flat
-        lanes = padded.reshape(-1, per_byte) << _shifts(bits)
-        return np.bitwise_or.reduce(lanes, axis=1) if per_byte > 1 else lanes.reshape(-1)
-    return np.packbits(np.unpackbits(flat[:, None], axis=1)[:, 8 - bits :])
+    n, width = _unit(bits)
+    units = np.zeros((-(-flat.size // n), n), np.uint64)
+    units.reshape(-1)[: flat.size] = flat
+    words = np.zeros(len(units), np.uint64)
+    for i in range(n):  # the first code in the most significant bits
+        words |= units[:, i] << np.uint64((n - 1 - i) * bits)
+    packed = words.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - width :]
+    return packed.reshape(-1)[: -(-flat.size * bits // 8)]
 
 
 def _unpack(packed: np.ndarray, count: int, bits: int) -> np.ndarray:
     if bits == 8:
-        return packed
-    if 8 % bits == 0:
-        lanes = (packed[:, None] >> _shifts(bits)) & np.uint8((1 << bits) - 1)
-        return lanes.reshape(-1)[:count]
-    padded = np.zeros((count, 8), np.uint8)
-    padded[:, 8 - bits :] = np.unpackbits(packed, count=count * bits).reshape(count, bits)
-    return np.packbits(padded, axis=1).reshape(-1)
+        return packed[:count]
+    n, width = _unit(bits)
+    units = -(-count // n)
+    tail = np.zeros(units * width, np.uint8)
+    tail[: min(packed.size, tail.size)] = packed[: tail.size]
+    window = np.zeros((units, 8), np.uint8)
+    window[:, 8 - width :] = tail.reshape(units, width)
+    words = window.view(">u8").reshape(-1).astype(np.uint64)
+    codes = np.empty((units, n), np.uint8)
+    mask = np.uint64((1 << bits) - 1)
+    for i in range(n):
+        codes[:, i] = (words >> np.uint64((n - 1 - i) * bits)) & mask
+    return codes.reshape(-1)[:count]
 
 
-def _shifts(bits: int) -> np.ndarray:
-    """Where each of a byte's codes sits, the first in the most significant bits."""
-    return np.arange(8 - bits, -1, -bits, dtype=np.uint8)
+def _unit(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of the smallest run of codes that ends on a byte boundary."""
+    n = 8 // math.gcd(8, bits)
+    return n, n * bits // 8
