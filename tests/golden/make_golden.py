@@ -4,13 +4,17 @@
 
 Each file holds layers 0 and 29, tokens 0-11, of samples/code.safetensors: in 4-token
 chunks, one file per codec (byteplane layout) and one per layout chain; in one 12-token
-chunk per tensor, one file per array codec (a chunk that small would be stored raw).
+chunk per tensor, one file per array codec (a chunk that small would be stored raw); in
+4-token chunks, one file per lossy first stage, whose decoded tensors' xxh3-64 digests
+``lossy-v1.json`` keeps (their bits are an approximation, so nothing else pins them).
 ``store-v1.json`` holds store entry records (version 1) and prefix keys
 (``kvtool/prefix/1``) for fixed inputs, byte for byte.
 """
 
 import json
 from pathlib import Path
+
+import xxhash
 
 from kvtool import container
 from kvtool.cache import KVCache
@@ -28,7 +32,15 @@ LAYOUT_RECIPES = {
 }
 # ctxans names its dictionary: the one kvtool ships (kvtool/modeldict/default.kvd), which stays shipped.
 ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0"}
-GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES}
+LOSSY_RECIPES = {
+    "lossy-int4-kivi": "int:4,group=4|zstd:1",
+    "lossy-int6-token": "int:6,k=token,v=token,group=48|zstd:1",
+    "lossy-fp8-e4m3": "fp8:e4m3|exphuff",
+    "lossy-fp8-e5m2-group": "fp8:e5m2,group=4|zstd:1",
+    "lossy-mant-round3": "mant-round:3|byteplane|zstd:1",
+}
+GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES, **LOSSY_RECIPES}
+LOSSY_DIGESTS = HERE / "lossy-v1.json"
 
 
 def chunk_tokens(name: str) -> int:
@@ -55,6 +67,11 @@ PREFIX_INPUTS = [
 ]
 
 
+def decoded_digests(cache: KVCache) -> list[str]:
+    """Each decoded tensor's xxh3-64, K then V per layer, as hex."""
+    return [xxhash.xxh3_64_hexdigest(array.tobytes()) for _, _, array in cache.tensors()]
+
+
 def store_vectors() -> dict:
     entries = [{**case, "record": wrap(case["key"], bytes.fromhex(case["value"]), case["meta"]).record.hex()} for case in ENTRY_INPUTS]
     prefixes = [{**case, "keys": prefix_keys(case["tokens"], case["chunk_tokens"], case["model_id"], case["recipe"], case["salt"])} for case in PREFIX_INPUTS]
@@ -72,3 +89,8 @@ if __name__ == "__main__":
             continue  # a golden file is written once; the tests read old files, not new ones
         size = container.save(cache, path, recipe, chunk_tokens=chunk_tokens(name), threads=1)
         print(f"{path.name}: {recipe}, {size} bytes")
+    digests = json.loads(LOSSY_DIGESTS.read_text()) if LOSSY_DIGESTS.exists() else {}
+    for name in LOSSY_RECIPES.keys() - digests.keys():
+        with container.open_kvz(HERE / f"v1-{name}.kvz") as reader:
+            digests[name] = decoded_digests(reader.read())
+    LOSSY_DIGESTS.write_text(json.dumps(dict(sorted(digests.items())), indent=1) + "\n")
