@@ -9,7 +9,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["_core.c", "xxh3.c", "huffman.c", "exphuff.c", "ctxans.c", "ctxans_py.c"]
+SOURCES = ["_core.c", "xxh3.c", "huffman.c", "exphuff.c", "ctxans.c", "ctxans_py.c", "intquant.c"]
 
 
 class OptionalBuildExt(build_ext):
@@ -39,7 +39,8 @@ setup(
             "kvtool._native._core",
             sources=[f"kvtool/_native/{name}" for name in SOURCES],
             depends=["kvtool/_native/kvn.h", "kvtool/_native/huffman.h", "kvtool/_native/ctxans.h"],
-            extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden"],
+            # -ffp-contract=off: no fused multiply-add, so float results match numpy's bit for bit
+            extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,
         )
     ],

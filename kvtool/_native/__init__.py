@@ -76,6 +76,11 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"kvtool's native core is {reason}; using the slower numpy reference", RuntimeWarning, stacklevel=3)
 
 
+def byte_view(array: np.ndarray) -> np.ndarray:
+    """A flat byte view of a C-contiguous array, for the core's buffers (bf16 and fp8 arrays have no buffer format of their own)."""
+    return array.reshape(-1).view(np.uint8)
+
+
 def xxh3_64(data) -> int:
     """XXH3-64 of a buffer: the native one releases the GIL, so threads hash in parallel."""
     module = core()

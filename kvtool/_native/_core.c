@@ -106,6 +106,32 @@ static PyObject *py_exphuff_decode(PyObject *self, PyObject *args) {
     return PyLong_FromLong(rc);
 }
 
+/* int_dequant(codes, scales, out, dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head) -> status */
+static PyObject *py_int_dequant(PyObject *self, PyObject *args) {
+    Py_buffer codes, scales, out;
+    int dtype, bits, channel_axis;
+    Py_ssize_t heads, tokens, dim, group, groups_per_head;
+    if (!PyArg_ParseTuple(args, "y*y*w*innnipnn", &codes, &scales, &out, &dtype, &heads, &tokens, &dim, &bits,
+                          &channel_axis, &group, &groups_per_head))
+        return NULL;
+    size_t n;
+    int rc = KVN_ERR_ARG;
+    if (parse_geometry(dtype, heads, tokens, dim, out.len, &n) == 0 && group > 0 && groups_per_head >= 0 &&
+        (heads == 0 || (size_t)groups_per_head <= (size_t)scales.len / 4 / (size_t)heads)) {
+        kvn_int_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, bits, channel_axis, (size_t)group,
+                           (size_t)groups_per_head};
+        Py_BEGIN_ALLOW_THREADS
+        rc = kvn_int_dequant(&b, codes.buf, (size_t)codes.len, scales.buf, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&out);
+    if (PyErr_Occurred()) return NULL;
+    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
+    return PyLong_FromLong(rc);
+}
+
 /* Copy tokens [t0, t1) of every head between two [heads, *, dim] layouts. */
 static void copy_tokens(uint8_t *dst, size_t dst_head, const uint8_t *src, size_t src_head, size_t heads,
                         size_t row_bytes, size_t count) {
@@ -353,6 +379,7 @@ static PyMethodDef methods[] = {
     {"ctxans_model", kvn_py_ctxans_model, METH_VARARGS, "A dictionary's ctxans coder tables, as a capsule."},
     {"ctxans_encode", kvn_py_ctxans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxans chunk."},
     {"ctxans_decode", kvn_py_ctxans_decode, METH_VARARGS, "Decode one ctxans chunk into a C-contiguous block; returns a status."},
+    {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };

@@ -93,7 +93,7 @@ class CtxAnsCodec(NativeArrayCodec):
         if model is None:
             return reference.encode(block, name, dictionary.tables, dictionary.tag)
         contiguous = np.ascontiguousarray(block)
-        return _native_core().ctxans_encode(_bytes_of(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
+        return _native_core().ctxans_encode(_native.byte_view(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
 
     def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
         name = self._name(dtype, shape)
@@ -105,7 +105,7 @@ class CtxAnsCodec(NativeArrayCodec):
         if model is None:
             out.view(f"u{out.itemsize}")[...] = reference.decode(as_memoryview(buf), name, cast(tuple[int, int, int], tuple(shape)), dictionary.tables, dictionary.tag)
             return out
-        status = _native_core().ctxans_decode(as_memoryview(buf), _bytes_of(out), model, _native.DTYPE_CODES[name], *shape)
+        status = _native_core().ctxans_decode(as_memoryview(buf), _native.byte_view(out), model, _native.DTYPE_CODES[name], *shape)
         if status:
             raise DecodeError(f"ctxans: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
         return out
@@ -117,7 +117,3 @@ def _native_core() -> ModuleType:
     assert core is not None
     return core
 
-
-def _bytes_of(array: np.ndarray) -> np.ndarray:
-    """A flat byte view of a C-contiguous array (fp8 and bf16 arrays have no buffer format of their own)."""
-    return array.reshape(-1).view(np.uint8)

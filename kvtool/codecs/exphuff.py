@@ -46,7 +46,7 @@ class ExpHuffCodec(NativeArrayCodec):
         if core is None:
             return reference.encode(block, name)
         contiguous = np.ascontiguousarray(block)
-        return core.exphuff_encode(_bytes_of(contiguous), _native.DTYPE_CODES[name], *block.shape)
+        return core.exphuff_encode(_native.byte_view(contiguous), _native.DTYPE_CODES[name], *block.shape)
 
     def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
         name = self._name(dtype)
@@ -58,12 +58,8 @@ class ExpHuffCodec(NativeArrayCodec):
         if core is None:
             out.view(f"u{out.itemsize}")[...] = reference.decode(as_memoryview(buf), name, tuple(shape))
             return out
-        status = core.exphuff_decode(as_memoryview(buf), _bytes_of(out), _native.DTYPE_CODES[name], *shape)
+        status = core.exphuff_decode(as_memoryview(buf), _native.byte_view(out), _native.DTYPE_CODES[name], *shape)
         if status:
             raise DecodeError(f"exphuff: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
         return out
 
-
-def _bytes_of(array: np.ndarray) -> np.ndarray:
-    """A flat byte view of a C-contiguous array (fp8 and bf16 arrays have no buffer format of their own)."""
-    return array.reshape(-1).view(np.uint8)

@@ -30,7 +30,11 @@ tokens, dim]`` the planes are
 ``min`` is the group's least value rounded down to fp16, and ``scale`` is
 ``(max - min) / (2**BITS - 1)`` rounded up, so every code fits and the error
 is at most ``scale / 2`` (plus the rounding of ``q * scale + min`` in fp32 and
-into the cache's dtype). Values beyond fp16's range (65504) are refused.
+into the cache's dtype). Values beyond fp16's range (65504) are refused, and so
+are groups whose codes would come back as infinity.
+
+The C core (``kvtool._native``, intquant.c) restores blocks; the numpy code
+here is the reference it matches bit for bit, and runs where the core is off.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import math
 
 import numpy as np
 
+from kvtool import _native
 from kvtool.cache import DTYPES, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec, child_name
@@ -49,6 +54,8 @@ AXES = ("channel", "token")
 KINDS = ("k", "v")
 MAX_GROUP = 1 << 16
 FP16_MAX = float(np.finfo(np.float16).max)
+#: The cache dtypes the C core restores (the rest take the numpy reference).
+NATIVE_DTYPES = ("bf16", "fp16", "fp32")
 
 
 class IntQuant(LossyLayout):
@@ -102,6 +109,11 @@ class IntQuant(LossyLayout):
         heads, tokens, dim = values.shape
         groups = self._grouped(values)
         low, scale = self._group_params(groups)
+        top = np.float32((1 << self.bits) - 1) * scale.astype(np.float32) + low.astype(np.float32)
+        with np.errstate(over="ignore"):
+            if not np.isfinite(top.astype(plane.dtype)).all():
+                raise UsageError(f"layout {self.layout_id!r}: values this close to the limit of {dtype_of(plane.dtype).name} "
+                                 "would come back as infinity; use fp8 or mant-round")
         codes = groups - low
         codes /= np.where(scale > 0, scale, 1.0)
         np.clip(np.rint(codes, out=codes), 0, (1 << self.bits) - 1, out=codes)
@@ -112,6 +124,24 @@ class IntQuant(LossyLayout):
         return [_pack(self._ungrouped(codes.astype(np.uint8), tokens, dim), self.bits), scales]
 
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
+        restored = self._native_inverse(planes, spec)
+        return restored if restored is not None else self.reference_inverse(planes, spec)
+
+    def _native_inverse(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray | None:
+        """The C core's inverse, the same bits as ``reference_inverse``; None where it is off or declines (non-finite scales)."""
+        core = _native.core()
+        name = dtype_of(spec.dtype).name
+        if core is None or name not in NATIVE_DTYPES:
+            return None
+        heads, tokens, dim = spec.shape
+        out = np.empty(spec.shape, spec.dtype)
+        scales = np.ascontiguousarray(planes[1]).view(np.uint16)
+        status = core.int_dequant(np.ascontiguousarray(planes[0]), scales, _native.byte_view(out), _native.DTYPE_CODES[name],
+                                  heads, tokens, dim, self.bits, self.axis == "channel", self.group, scales.shape[1])
+        return out if status == 0 else None
+
+    def reference_inverse(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
+        """The numpy inverse: the definition the C core matches."""
         heads, tokens, dim = spec.shape
         codes = _unpack(planes[0], heads * tokens * dim, self.bits).reshape(heads, tokens, dim)
         grouped = self._grouped(codes)
@@ -121,7 +151,7 @@ class IntQuant(LossyLayout):
         with np.errstate(over="ignore", invalid="ignore"):  # only damaged scales overflow; checksums catch those first
             values *= self._from_plane_order(scales[..., 0], grouped.shape)
             values += self._from_plane_order(scales[..., 1], grouped.shape)
-        return self._ungrouped(values, tokens, dim).astype(spec.dtype)
+            return self._ungrouped(values, tokens, dim).astype(spec.dtype)
 
     def error_bound(self, block: np.ndarray) -> np.ndarray:
         values = block.astype(np.float64)
@@ -146,7 +176,11 @@ class IntQuant(LossyLayout):
         if groups.size and max(-least.min(), most.max()) > FP16_MAX:
             raise UsageError(f"layout {self.layout_id!r} stores fp16 scales: values beyond +-{FP16_MAX:g} do not fit (use fp8 or mant-round)")
         low = _fp16_toward(least, -np.inf)
-        scale = _fp16_toward((most - low) / ((1 << self.bits) - 1), np.inf)
+        with np.errstate(over="ignore"):
+            scale = _fp16_toward((most - low) / ((1 << self.bits) - 1), np.inf)
+        if not np.isfinite(scale).all():
+            raise UsageError(f"layout {self.layout_id!r}: a group spans more than {self.bits}-bit codes can step over "
+                             f"with an fp16 scale (max - min over {(1 << self.bits) - 1} beyond {FP16_MAX:g}); use more bits")
         return low, scale
 
     def _grouped(self, values: np.ndarray) -> np.ndarray:
