@@ -717,10 +717,8 @@ class KvzReader:
         if batch is None:  # decode, then place the rows with numpy
             cache = self.read(layers=wanted, threads=1)
             for i, array in enumerate(t for _, _, t in cache.tensors()):
-                flat = targets[target_of[i]].reshape(-1).view(np.uint8)
-                kept = rows[i].reshape(-1) >= 0
-                cells = rows[i].reshape(-1, 1)[kept] + np.arange(row_bytes)
-                flat[cells] = np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8)[kept]
+                _place_rows(targets[target_of[i]].reshape(-1).view(np.uint8), rows[i].reshape(-1),
+                            np.ascontiguousarray(array).reshape(-1, self._dim).view(np.uint8))
             return
         blocks = [(i, t, start) for i, t in enumerate(positions) for start in range(0, self.num_tokens, self.chunk_tokens)]
         if not blocks:  # no tokens or no layers: nothing to place (the native core refuses an empty batch)
@@ -795,6 +793,21 @@ def open_kvz(path: str | os.PathLike, max_size: int = DEFAULT_MAX_SIZE) -> KvzRe
     """
     path = Path(path)
     return KvzReader(_FileSource(path), name=str(path), max_size=max_size)
+
+
+def _place_rows(flat: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> None:
+    """Row ``i`` of ``rows`` to byte offset ``offsets[i]`` of ``flat``; a negative offset leaves it out.
+
+    Offsets that are all whole rows apart (an engine's paged blocks are) move a
+    row per index; others move a byte per index, eight times the memory.
+    """
+    kept = offsets >= 0
+    offsets, rows = offsets[kept], rows[kept]
+    row_bytes = rows.shape[1]
+    if row_bytes and not (offsets % row_bytes).any():
+        flat[: flat.size // row_bytes * row_bytes].reshape(-1, row_bytes)[offsets // row_bytes] = rows
+    else:
+        flat[offsets[:, None] + np.arange(row_bytes)] = rows
 
 
 def decode_cache(

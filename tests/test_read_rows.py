@@ -55,6 +55,22 @@ def test_negative_offsets_leave_rows_out(samples, recipe):
     assert np.array_equal(target[1, :, 16:].view(np.uint16), cache.values[0][:, 16:].view(np.uint16))
 
 
+@pytest.mark.parametrize("shift", [0, 2, 3])
+def test_rows_at_any_byte_offset(samples, shift):
+    """Offsets need not be whole rows apart (the codecs without a batch path place such rows byte by byte)."""
+    cache = KVCache.load(samples[0], layers=[0], tokens=slice(0, 40))
+    heads, tokens, dim = cache.keys[0].shape
+    row_bytes = dim * 2
+    target = np.zeros(2 * heads * tokens * row_bytes + 8, np.uint8)
+    rows = (np.arange(2 * heads * tokens, dtype=np.int64) * row_bytes + shift).reshape(2, heads, tokens)
+    with KvzReader.from_bytes(encode_cache(cache, "zstd:3", chunk_tokens=32)) as reader:
+        reader.read_rows([target], rows, [0, 0])
+    placed = target[shift : shift + 2 * heads * tokens * row_bytes].view(np.uint16).reshape(2, heads, tokens, dim)
+    assert np.array_equal(placed[0], cache.keys[0].view(np.uint16))
+    assert np.array_equal(placed[1], cache.values[0].view(np.uint16))
+    assert not target[:shift].any() and not target[shift + 2 * heads * tokens * row_bytes :].any()
+
+
 def test_offsets_outside_the_target_are_refused(samples):
     cache = KVCache.load(samples[0], layers=[0], tokens=slice(0, 32))
     heads, tokens, dim = cache.keys[0].shape
