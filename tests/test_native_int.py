@@ -1,4 +1,5 @@
-"""The C inverse of the lossy ``int`` stage against its numpy reference: the same bits, on real and crafted planes."""
+"""The C forward and inverse of the lossy ``int`` stage against their numpy reference: the same bytes and bits,
+on real samples, generated blocks and crafted planes."""
 
 from __future__ import annotations
 
@@ -40,6 +41,57 @@ def test_real_samples_restore_alike(samples, bits, axis):
                     block = np.ascontiguousarray(array[:, :tokens].astype(dtype))
                     layout = IntQuant(bits, k=axis, v=axis, group=group)
                     assert_same_bits(*both(layout, layout.forward_plane(block), PlaneSpec.of(block)))
+
+
+@needs_core
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_real_samples_quantize_alike(samples, bits, axis):
+    cache = KVCache.load(samples[0])
+    for array in (cache.keys[3], cache.values[20]):
+        for dtype in (array.dtype, np.float16, np.float32):
+            for group in (1, 7, 64, 300):
+                for tokens in (0, 1, 37, array.shape[1]):
+                    block = np.ascontiguousarray(array[:, :tokens].astype(dtype))
+                    layout = IntQuant(bits, k=axis, v=axis, group=group)
+                    native = layout._native_forward(block)
+                    assert native is not None
+                    for ours, theirs in zip(native, layout.reference_forward(block)):
+                        assert_same_bits(ours, theirs)
+
+
+@st.composite
+def float_blocks(draw):
+    dtype = draw(st.sampled_from([ml_dtypes.bfloat16, np.float16, np.float32]))
+    shape = (draw(st.integers(0, 3)), draw(st.integers(0, 40)), draw(st.integers(1, 24)))
+    kind = draw(st.sampled_from(["kv", "wide", "few", "bits"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "bits":  # any bit pattern: NaN, infinity and values beyond fp16 among them
+        width = np.dtype(dtype).itemsize
+        return rng.integers(0, 1 << (8 * width), size=shape, dtype=np.uint64).astype(f"u{width}").view(dtype)
+    if kind == "few":  # signed zeros and repeats: constant groups, a zero least value
+        return rng.choice(np.array([0.0, -0.0, 1.5, -2.0]), size=shape).astype(dtype)
+    exponents = rng.uniform(-30, 16, size=(shape[0], 1, shape[2])) if kind == "wide" else rng.normal(0, 2, (shape[0], 1, shape[2]))
+    return (rng.standard_normal(shape) * np.exp2(exponents)).clip(-65504, 65504).astype(dtype)
+
+
+@needs_core
+@settings(max_examples=300, deadline=None)
+@given(block=float_blocks(), bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 70))
+def test_generated_blocks_quantize_alike(block, bits, axis, group):
+    """The same planes, or a refusal from both (then the reference's error is the one raised)."""
+    layout = IntQuant(bits, k=axis, v=axis, group=group)
+    native = layout._native_forward(block)
+    try:
+        reference = layout.reference_forward(block)
+    except UsageError:
+        assert native is None
+        with pytest.raises(UsageError):
+            layout.forward_plane(block)
+        return
+    assert native is not None
+    for ours, theirs in zip(native, reference):
+        assert_same_bits(ours, theirs)
 
 
 @needs_core

@@ -106,20 +106,55 @@ static PyObject *py_exphuff_decode(PyObject *self, PyObject *args) {
     return PyLong_FromLong(rc);
 }
 
+/* The shared tail of int_quant and int_dequant: the block's geometry, checked against the
+ * float buffer (the input or the output) and the scales plane. */
+static int int_block(kvn_int_block *b, Py_buffer *floats, Py_buffer *scales, int dtype, Py_ssize_t heads,
+                     Py_ssize_t tokens, Py_ssize_t dim, int bits, int channel_axis, Py_ssize_t group,
+                     Py_ssize_t groups_per_head) {
+    size_t n;
+    if (parse_geometry(dtype, heads, tokens, dim, floats->len, &n)) return -1;
+    if (group < 1 || groups_per_head < 0 ||
+        (heads && (size_t)groups_per_head > (size_t)scales->len / 4 / (size_t)heads)) {
+        PyErr_SetString(PyExc_ValueError, "bad group or scales plane size");
+        return -1;
+    }
+    *b = (kvn_int_block){dtype, (size_t)heads, (size_t)tokens, (size_t)dim, bits, channel_axis, (size_t)group,
+                         (size_t)groups_per_head};
+    return 0;
+}
+
+#define INT_ARGS "innnipnn"
+#define INT_ARG_PTRS &dtype, &heads, &tokens, &dim, &bits, &channel_axis, &group, &groups_per_head
+#define INT_ARG_VALS dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head
+
+/* int_quant(block, codes, scales, dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head) -> status */
+static PyObject *py_int_quant(PyObject *self, PyObject *args) {
+    Py_buffer block, codes, scales;
+    int dtype, bits, channel_axis, rc = -1;
+    Py_ssize_t heads, tokens, dim, group, groups_per_head;
+    if (!PyArg_ParseTuple(args, "y*w*w*" INT_ARGS, &block, &codes, &scales, INT_ARG_PTRS)) return NULL;
+    kvn_int_block b;
+    if (int_block(&b, &block, &scales, INT_ARG_VALS) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = kvn_int_quant(&b, block.buf, codes.buf, (size_t)codes.len, scales.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&block);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scales);
+    if (rc < 0) return NULL;
+    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
+    return PyLong_FromLong(rc);
+}
+
 /* int_dequant(codes, scales, out, dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head) -> status */
 static PyObject *py_int_dequant(PyObject *self, PyObject *args) {
     Py_buffer codes, scales, out;
-    int dtype, bits, channel_axis;
+    int dtype, bits, channel_axis, rc = -1;
     Py_ssize_t heads, tokens, dim, group, groups_per_head;
-    if (!PyArg_ParseTuple(args, "y*y*w*innnipnn", &codes, &scales, &out, &dtype, &heads, &tokens, &dim, &bits,
-                          &channel_axis, &group, &groups_per_head))
-        return NULL;
-    size_t n;
-    int rc = KVN_ERR_ARG;
-    if (parse_geometry(dtype, heads, tokens, dim, out.len, &n) == 0 && group > 0 && groups_per_head >= 0 &&
-        (heads == 0 || (size_t)groups_per_head <= (size_t)scales.len / 4 / (size_t)heads)) {
-        kvn_int_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, bits, channel_axis, (size_t)group,
-                           (size_t)groups_per_head};
+    if (!PyArg_ParseTuple(args, "y*y*w*" INT_ARGS, &codes, &scales, &out, INT_ARG_PTRS)) return NULL;
+    kvn_int_block b;
+    if (int_block(&b, &out, &scales, INT_ARG_VALS) == 0) {
         Py_BEGIN_ALLOW_THREADS
         rc = kvn_int_dequant(&b, codes.buf, (size_t)codes.len, scales.buf, out.buf);
         Py_END_ALLOW_THREADS
@@ -127,7 +162,7 @@ static PyObject *py_int_dequant(PyObject *self, PyObject *args) {
     PyBuffer_Release(&codes);
     PyBuffer_Release(&scales);
     PyBuffer_Release(&out);
-    if (PyErr_Occurred()) return NULL;
+    if (rc < 0) return NULL;
     if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
     return PyLong_FromLong(rc);
 }
@@ -379,6 +414,7 @@ static PyMethodDef methods[] = {
     {"ctxans_model", kvn_py_ctxans_model, METH_VARARGS, "A dictionary's ctxans coder tables, as a capsule."},
     {"ctxans_encode", kvn_py_ctxans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxans chunk."},
     {"ctxans_decode", kvn_py_ctxans_decode, METH_VARARGS, "Decode one ctxans chunk into a C-contiguous block; returns a status."},
+    {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},

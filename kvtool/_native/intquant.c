@@ -1,12 +1,16 @@
-/* The inverse of the lossy `int:BITS` stage (kvtool/layouts/int_quant.py, which is the reference):
- * codes packed most significant bit first, an fp16 (scale, min) pair per group, and each value
- * coming back as float32(code) * scale + min, rounded once per operation in float32 (no fused
- * multiply-add: the build passes -ffp-contract=off), then rounded to the cache's dtype to nearest,
- * ties to even, as numpy and ml_dtypes round.
+/* The lossy `int:BITS` stage (kvtool/layouts/int_quant.py, which is the reference), both ways.
  *
- * Non-finite scales are refused (KVN_ERR_ARG) and left to the reference: they come only from
- * damaged or crafted files, and finite ones keep every value finite (below 2^25), so no NaN
- * payload rule is needed here. */
+ * Forward: per group the least value rounded down to fp16 (`min`) and (max - min) / (2^BITS - 1)
+ * rounded up to fp16 (`scale`), computed in double as numpy does; each code is
+ * round-half-even((value - min) / scale), packed most significant bit first. Values the reference
+ * refuses (NaN, infinity, beyond fp16, ranges a scale cannot hold, codes that would come back
+ * infinite) make it decline (KVN_ERR_ARG), and the reference raises its own error.
+ *
+ * Inverse: each value comes back as float32(code) * scale + min, rounded once per operation in
+ * float32 (no fused multiply-add: the build passes -ffp-contract=off), then rounded to the cache's
+ * dtype to nearest, ties to even, as numpy and ml_dtypes round. Non-finite scales are declined
+ * and left to the reference: they come only from damaged or crafted files, and finite ones keep
+ * every value finite (below 2^25), so no NaN payload rule is needed here. */
 #include "kvn.h"
 
 #include <math.h>
@@ -126,5 +130,134 @@ int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_l
     free(values);
     free(scale);
     free(low);
+    return rc;
+}
+
+/* ---- the forward ---- */
+
+/* The fp16 nearest to x in one direction (up: the least fp16 >= x, else the greatest <= x), as
+ * bits; infinity past the largest finite one. x is finite. */
+static uint16_t f64_to_f16_directed(double x, int up) {
+    uint16_t sign = signbit(x) ? 0x8000u : 0u;
+    double magnitude = fabs(x);
+    int away = sign ? !up : up;  /* round the magnitude up (away from zero) or down */
+    if (magnitude == 0.0) return sign;
+    int exponent;
+    frexp(magnitude, &exponent);  /* magnitude in [2^(exponent-1), 2^exponent) */
+    exponent -= 1;
+    if (exponent < -14) exponent = -14;  /* subnormals share the smallest binade's step, 2^-24 */
+    double steps = ldexp(magnitude, 10 - exponent);  /* exact: a power-of-two scaling */
+    double q = away ? ceil(steps) : floor(steps);
+    /* bits = biased exponent and mantissa; a carry out of the mantissa moves to the next binade */
+    uint32_t bits = exponent == -14 && q < 1024.0 ? (uint32_t)q : ((uint32_t)(exponent + 15) << 10) + (uint32_t)q - 1024u;
+    if (bits >= 0x7C00u) bits = 0x7C00u;
+    return sign | (uint16_t)bits;
+}
+
+/* One row of a block as doubles (exact for every input dtype). */
+static void load_row(int dtype, const void *src, size_t count, double *out) {
+    if (dtype == KVN_BF16) {
+        for (size_t d = 0; d < count; d++) {
+            uint32_t bits = (uint32_t)((const uint16_t *)src)[d] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            out[d] = f;
+        }
+    } else if (dtype == KVN_FP16) {
+        for (size_t d = 0; d < count; d++) out[d] = f16_to_f32(((const uint16_t *)src)[d]);
+    } else {
+        for (size_t d = 0; d < count; d++) out[d] = ((const float *)src)[d];
+    }
+}
+
+/* Where row (h, t)'s channels find their group: the index of each channel's (scale, min) pair. */
+static void row_groups(const kvn_int_block *b, size_t h, size_t t, size_t *out) {
+    size_t group = b->group, token_groups = (b->tokens + group - 1) / group, channel_groups = (b->dim + group - 1) / group;
+    size_t base = h * b->groups_per_head;
+    if (b->channel_axis) {
+        for (size_t d = 0; d < b->dim; d++) out[d] = base + d * token_groups + t / group;
+        return;
+    }
+    base += t * channel_groups;
+    for (size_t d = 0, in_group = 0; d < b->dim; d++) {  /* d / group, counted */
+        out[d] = base;
+        if (++in_group == group) in_group = 0, base++;
+    }
+}
+
+/* x rounded to the nearest integer, ties to even, for 0 <= x < 2^51: what rint does, inline. */
+static inline double round_even(double x) {
+    const double shift = 6755399441055744.0; /* 1.5 * 2^52: the sum keeps no fraction bits */
+    return (x + shift) - shift;
+}
+
+KVN_MULTIVERSION
+int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales) {
+    size_t n = b->heads * b->tokens * b->dim, group = b->group, dim = b->dim;
+    if (b->dtype > KVN_FP32 || b->bits < 1 || b->bits > 8 || group < 1 || dim == 0 ||
+        codes_len != (n * (size_t)b->bits + 7) / 8)
+        return KVN_ERR_ARG;
+    size_t token_groups = (b->tokens + group - 1) / group, channel_groups = (dim + group - 1) / group;
+    size_t used = b->channel_axis ? dim * token_groups : b->tokens * channel_groups;
+    if (used > b->groups_per_head) return KVN_ERR_ARG;
+    size_t pairs = b->heads * b->groups_per_head + 1, itemsize = b->dtype == KVN_FP32 ? 4 : 2;
+    double *least = malloc(pairs * sizeof(double)), *most = malloc(pairs * sizeof(double));
+    double *low = malloc(pairs * sizeof(double)), *step = malloc(pairs * sizeof(double));
+    double *row = malloc(dim * sizeof(double));
+    size_t *where = malloc(dim * sizeof(size_t));
+    int rc = least && most && low && step && row && where ? KVN_OK : KVN_ERR_NOMEM;
+    for (size_t g = 0; rc == KVN_OK && g < pairs; g++) least[g] = INFINITY, most[g] = -INFINITY;
+    /* each group's range; values the reference refuses (NaN, infinity, beyond fp16) stop here */
+    for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
+        for (size_t t = 0; rc == KVN_OK && t < b->tokens; t++) {
+            load_row(b->dtype, (const uint8_t *)src + (h * b->tokens + t) * dim * itemsize, dim, row);
+            row_groups(b, h, t, where);
+            for (size_t d = 0; d < dim; d++) {
+                double v = row[d];
+                if (!(fabs(v) <= 65504.0)) rc = KVN_ERR_ARG;
+                if (v < least[where[d]]) least[where[d]] = v;
+                if (v > most[where[d]]) most[where[d]] = v;
+            }
+        }
+    uint32_t top_code = (1u << b->bits) - 1u;
+    memset(scales, 0, b->heads * b->groups_per_head * 2 * sizeof(uint16_t));
+    for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
+        for (size_t u = 0; rc == KVN_OK && u < used; u++) {
+            size_t g = h * b->groups_per_head + u;
+            /* + 0.0 makes a zero's sign +: a group's least zero is stored the same whichever zero came first */
+            uint16_t low_bits = f64_to_f16_directed(least[g] + 0.0, 0);
+            low[g] = f16_to_f32(low_bits);
+            uint16_t scale_bits = f64_to_f16_directed((most[g] + 0.0 - low[g]) / top_code, 1);
+            if ((scale_bits & 0x7C00u) == 0x7C00u) rc = KVN_ERR_ARG;  /* the range needs more bits */
+            float scale = f16_to_f32(scale_bits), top = (float)top_code * scale;
+            top = top + (float)low[g];
+            if (b->dtype == KVN_FP16 && (f32_to_f16(top) & 0x7C00u) == 0x7C00u) rc = KVN_ERR_ARG;  /* comes back infinite */
+            step[g] = scale > 0 ? (double)scale : 1.0;
+            scales[2 * g] = scale_bits;
+            scales[2 * g + 1] = low_bits;
+        }
+    /* the codes, packed most significant bit first */
+    uint64_t acc = 0;
+    int held = 0;
+    size_t at = 0;
+    for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
+        for (size_t t = 0; t < b->tokens; t++) {
+            load_row(b->dtype, (const uint8_t *)src + (h * b->tokens + t) * dim * itemsize, dim, row);
+            row_groups(b, h, t, where);
+            for (size_t d = 0; d < dim; d++) {
+                double q = round_even((row[d] - low[where[d]]) / step[where[d]]);  /* >= 0: low <= the group's least */
+                uint32_t code = q >= top_code ? top_code : (uint32_t)q;
+                acc = acc << b->bits | code;
+                held += b->bits;
+                while (held >= 8) codes[at++] = (uint8_t)(acc >> (held -= 8));
+            }
+        }
+    if (rc == KVN_OK && held) codes[at] = (uint8_t)(acc << (8 - held));
+    free(least);
+    free(most);
+    free(low);
+    free(step);
+    free(row);
+    free(where);
     return rc;
 }

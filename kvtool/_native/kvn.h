@@ -26,6 +26,9 @@ typedef struct {
 
 /* Restore a C-contiguous block from its codes plane and its fp16 scales plane [heads, groups_per_head, 2]. */
 int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales, void *out);
+/* Quantize a C-contiguous block into its codes plane (exactly its size) and scales plane. KVN_ERR_ARG also
+ * where the reference refuses the values (non-finite, beyond fp16, a range its scale cannot hold). */
+int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales);
 
 #endif
 
@@ -46,6 +49,9 @@ typedef struct {
 
 /* Restore a C-contiguous block from its codes plane and its fp16 scales plane [heads, groups_per_head, 2]. */
 int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales, void *out);
+/* Quantize a C-contiguous block into its codes plane (exactly its size) and scales plane. KVN_ERR_ARG also
+ * where the reference refuses the values (non-finite, beyond fp16, a range its scale cannot hold). */
+int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales);
 
 #endif
 
@@ -97,5 +103,8 @@ typedef struct {
 
 /* Restore a C-contiguous block from its codes plane and its fp16 scales plane [heads, groups_per_head, 2]. */
 int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales, void *out);
+/* Quantize a C-contiguous block into its codes plane (exactly its size) and scales plane. KVN_ERR_ARG also
+ * where the reference refuses the values (non-finite, beyond fp16, a range its scale cannot hold). */
+int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales);
 
 #endif

@@ -105,8 +105,27 @@ class IntQuant(LossyLayout):
         ]
 
     def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
+        planes = self._native_forward(plane)
+        return planes if planes is not None else self.reference_forward(plane)
+
+    def _native_forward(self, plane: np.ndarray) -> list[np.ndarray] | None:
+        """The C core's forward, the same bytes as ``reference_forward``; None where it is off or declines
+        (values the reference refuses, with its own words)."""
+        core = _native.core()
+        name = dtype_of(plane.dtype).name if plane.ndim == 3 else ""
+        if core is None or name not in NATIVE_DTYPES:
+            return None
+        codes_spec, scales_spec = self.plan_plane(PlaneSpec.of(plane))
+        codes, scales = np.empty(codes_spec.shape, np.uint8), np.empty(scales_spec.shape, np.float16)
+        status = core.int_quant(_native.byte_view(np.ascontiguousarray(plane)), codes, scales.view(np.uint16),
+                                _native.DTYPE_CODES[name], *plane.shape, self.bits, self.axis == "channel", self.group,
+                                scales.shape[1])
+        return [codes, scales] if status == 0 else None
+
+    def reference_forward(self, plane: np.ndarray) -> list[np.ndarray]:
+        """The numpy forward: the definition the C core matches."""
         values = finite_values(self.layout_id, plane)
-        heads, tokens, dim = values.shape
+        _, tokens, dim = values.shape
         groups = self._grouped(values)
         low, scale = self._group_params(groups)
         top = np.float32((1 << self.bits) - 1) * scale.astype(np.float32) + low.astype(np.float32)
@@ -118,7 +137,7 @@ class IntQuant(LossyLayout):
         codes /= np.where(scale > 0, scale, 1.0)
         np.clip(np.rint(codes, out=codes), 0, (1 << self.bits) - 1, out=codes)
         scales = np.zeros(self.plan_plane(PlaneSpec.of(plane))[1].shape, np.float16)
-        used = low.size // max(heads, 1)
+        used = math.prod(low.shape[1:])
         scales[:, :used, 0] = self._in_plane_order(scale)
         scales[:, :used, 1] = self._in_plane_order(low)
         return [_pack(self._ungrouped(codes.astype(np.uint8), tokens, dim), self.bits), scales]
@@ -172,7 +191,9 @@ class IntQuant(LossyLayout):
 
     def _group_params(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per group the stored ``min`` (rounded down to fp16) and ``scale`` (rounded up), as float64, shaped to broadcast over ``groups``."""
-        least, most = groups.min(axis=self._group_axis, keepdims=True), groups.max(axis=self._group_axis, keepdims=True)
+        # + 0.0 turns -0.0 into 0.0: which zero numpy's min and max return varies, the stored scales must not
+        least = groups.min(axis=self._group_axis, keepdims=True) + 0.0
+        most = groups.max(axis=self._group_axis, keepdims=True) + 0.0
         if groups.size and max(-least.min(), most.max()) > FP16_MAX:
             raise UsageError(f"layout {self.layout_id!r} stores fp16 scales: values beyond +-{FP16_MAX:g} do not fit (use fp8 or mant-round)")
         low = _fp16_toward(least, -np.inf)
@@ -212,7 +233,7 @@ class IntQuant(LossyLayout):
         """Per-group parameters as the scales plane orders them: ``[heads, dim, token groups]`` or ``[heads, tokens, channel groups]``, flat per head."""
         if self.axis == "channel":
             param = param[:, :, 0, :].transpose(0, 2, 1)
-        return param.reshape(param.shape[0], -1)
+        return param.reshape(param.shape[0], math.prod(param.shape[1:]))
 
     def _from_plane_order(self, flat: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The inverse of ``_in_plane_order``, shaped to broadcast over groups of ``shape``."""
