@@ -170,25 +170,72 @@ static void load_row(int dtype, const void *src, size_t count, double *out) {
     }
 }
 
-/* Where row (h, t)'s channels find their group: the index of each channel's (scale, min) pair. */
-static void row_groups(const kvn_int_block *b, size_t h, size_t t, size_t *out) {
-    size_t group = b->group, token_groups = (b->tokens + group - 1) / group, channel_groups = (b->dim + group - 1) / group;
-    size_t base = h * b->groups_per_head;
-    if (b->channel_axis) {
-        for (size_t d = 0; d < b->dim; d++) out[d] = base + d * token_groups + t / group;
-        return;
-    }
-    base += t * channel_groups;
-    for (size_t d = 0, in_group = 0; d < b->dim; d++) {  /* d / group, counted */
-        out[d] = base;
-        if (++in_group == group) in_group = 0, base++;
-    }
-}
-
 /* x rounded to the nearest integer, ties to even, for 0 <= x < 2^51: what rint does, inline. */
 static inline double round_even(double x) {
     const double shift = 6755399441055744.0; /* 1.5 * 2^52: the sum keeps no fraction bits */
     return (x + shift) - shift;
+}
+
+/* Each group's least and greatest value into least/most (indexed as the scales plane); nonzero
+ * on a value the reference refuses (NaN, infinity, beyond fp16). Channel groups keep a running
+ * range per channel over their tokens; token groups are runs within a row. */
+static int group_ranges(const kvn_int_block *b, const void *src, double *row, double *lo, double *hi,
+                        double *least, double *most) {
+    size_t dim = b->dim, group = b->group, itemsize = b->dtype == KVN_FP32 ? 4 : 2;
+    size_t token_groups = (b->tokens + group - 1) / group, channel_groups = (dim + group - 1) / group;
+    int bad = 0;
+    for (size_t h = 0; h < b->heads; h++) {
+        double *h_least = least + h * b->groups_per_head, *h_most = most + h * b->groups_per_head;
+        for (size_t t = 0; t < b->tokens; t++) {
+            load_row(b->dtype, (const uint8_t *)src + (h * b->tokens + t) * dim * itemsize, dim, row);
+            for (size_t d = 0; d < dim; d++) bad |= !(fabs(row[d]) <= 65504.0);
+            if (!b->channel_axis) {
+                for (size_t g = 0; g < channel_groups; g++) {
+                    size_t end = (g + 1) * group < dim ? (g + 1) * group : dim;
+                    double m = INFINITY, M = -INFINITY;
+                    for (size_t d = g * group; d < end; d++) {
+                        m = row[d] < m ? row[d] : m;
+                        M = row[d] > M ? row[d] : M;
+                    }
+                    h_least[t * channel_groups + g] = m;
+                    h_most[t * channel_groups + g] = M;
+                }
+                continue;
+            }
+            if (t % group == 0)
+                for (size_t d = 0; d < dim; d++) lo[d] = INFINITY, hi[d] = -INFINITY;
+            for (size_t d = 0; d < dim; d++) {
+                lo[d] = row[d] < lo[d] ? row[d] : lo[d];
+                hi[d] = row[d] > hi[d] ? row[d] : hi[d];
+            }
+            if (t % group == group - 1 || t == b->tokens - 1)
+                for (size_t d = 0; d < dim; d++) {
+                    h_least[d * token_groups + t / group] = lo[d];
+                    h_most[d * token_groups + t / group] = hi[d];
+                }
+        }
+    }
+    return bad;
+}
+
+/* Row (h, t)'s per-channel min and step (scale, or 1 where the scale is 0), from the groups'. */
+static void row_params(const kvn_int_block *b, size_t h, size_t t, const double *low, const double *step,
+                       double *row_low, double *row_step) {
+    size_t dim = b->dim, group = b->group, token_groups = (b->tokens + group - 1) / group;
+    size_t base = h * b->groups_per_head;
+    if (b->channel_axis) {
+        for (size_t d = 0; d < dim; d++) {
+            row_low[d] = low[base + d * token_groups + t / group];
+            row_step[d] = step[base + d * token_groups + t / group];
+        }
+        return;
+    }
+    base += t * ((dim + group - 1) / group);
+    for (size_t d = 0, in_group = 0; d < dim; d++) {  /* d / group, counted */
+        row_low[d] = low[base];
+        row_step[d] = step[base];
+        if (++in_group == group) in_group = 0, base++;
+    }
 }
 
 KVN_MULTIVERSION
@@ -203,23 +250,13 @@ int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_
     size_t pairs = b->heads * b->groups_per_head + 1, itemsize = b->dtype == KVN_FP32 ? 4 : 2;
     double *least = malloc(pairs * sizeof(double)), *most = malloc(pairs * sizeof(double));
     double *low = malloc(pairs * sizeof(double)), *step = malloc(pairs * sizeof(double));
-    double *row = malloc(dim * sizeof(double));
-    size_t *where = malloc(dim * sizeof(size_t));
-    int rc = least && most && low && step && row && where ? KVN_OK : KVN_ERR_NOMEM;
-    for (size_t g = 0; rc == KVN_OK && g < pairs; g++) least[g] = INFINITY, most[g] = -INFINITY;
-    /* each group's range; values the reference refuses (NaN, infinity, beyond fp16) stop here */
-    for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
-        for (size_t t = 0; rc == KVN_OK && t < b->tokens; t++) {
-            load_row(b->dtype, (const uint8_t *)src + (h * b->tokens + t) * dim * itemsize, dim, row);
-            row_groups(b, h, t, where);
-            for (size_t d = 0; d < dim; d++) {
-                double v = row[d];
-                if (!(fabs(v) <= 65504.0)) rc = KVN_ERR_ARG;
-                if (v < least[where[d]]) least[where[d]] = v;
-                if (v > most[where[d]]) most[where[d]] = v;
-            }
-        }
+    double *row = malloc(dim * sizeof(double)), *row_low = malloc(dim * sizeof(double));
+    double *row_step = malloc(dim * sizeof(double));
+    uint8_t *row_codes = malloc(dim);
+    int rc = least && most && low && step && row && row_low && row_step && row_codes ? KVN_OK : KVN_ERR_NOMEM;
+    if (rc == KVN_OK && group_ranges(b, src, row, row_low, row_step, least, most)) rc = KVN_ERR_ARG;
     uint32_t top_code = (1u << b->bits) - 1u;
+    double top = top_code;
     memset(scales, 0, b->heads * b->groups_per_head * 2 * sizeof(uint16_t));
     for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
         for (size_t u = 0; rc == KVN_OK && u < used; u++) {
@@ -229,9 +266,9 @@ int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_
             low[g] = f16_to_f32(low_bits);
             uint16_t scale_bits = f64_to_f16_directed((most[g] + 0.0 - low[g]) / top_code, 1);
             if ((scale_bits & 0x7C00u) == 0x7C00u) rc = KVN_ERR_ARG;  /* the range needs more bits */
-            float scale = f16_to_f32(scale_bits), top = (float)top_code * scale;
-            top = top + (float)low[g];
-            if (b->dtype == KVN_FP16 && (f32_to_f16(top) & 0x7C00u) == 0x7C00u) rc = KVN_ERR_ARG;  /* comes back infinite */
+            float scale = f16_to_f32(scale_bits), largest = (float)top_code * scale;
+            largest = largest + (float)low[g];
+            if (b->dtype == KVN_FP16 && (f32_to_f16(largest) & 0x7C00u) == 0x7C00u) rc = KVN_ERR_ARG;  /* comes back infinite */
             step[g] = scale > 0 ? (double)scale : 1.0;
             scales[2 * g] = scale_bits;
             scales[2 * g + 1] = low_bits;
@@ -243,11 +280,20 @@ int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_
     for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
         for (size_t t = 0; t < b->tokens; t++) {
             load_row(b->dtype, (const uint8_t *)src + (h * b->tokens + t) * dim * itemsize, dim, row);
-            row_groups(b, h, t, where);
+            if (!b->channel_axis || t % group == 0) row_params(b, h, t, low, step, row_low, row_step);
+            for (size_t d = 0; d < dim; d++) {  /* >= 0: a group's min is at most its least value */
+                double code = round_even((row[d] - row_low[d]) / row_step[d]);
+                row_codes[d] = (uint8_t)(int32_t)(code < top ? code : top);
+            }
+            if (held == 0 && (b->bits == 8 || (b->bits == 4 && dim % 2 == 0))) {  /* whole bytes per row */
+                if (b->bits == 8) memcpy(codes + at, row_codes, dim);
+                else
+                    for (size_t d = 0; d < dim; d += 2) codes[at + d / 2] = (uint8_t)(row_codes[d] << 4 | row_codes[d + 1]);
+                at += dim * (size_t)b->bits / 8;
+                continue;
+            }
             for (size_t d = 0; d < dim; d++) {
-                double q = round_even((row[d] - low[where[d]]) / step[where[d]]);  /* >= 0: low <= the group's least */
-                uint32_t code = q >= top_code ? top_code : (uint32_t)q;
-                acc = acc << b->bits | code;
+                acc = acc << b->bits | row_codes[d];
                 held += b->bits;
                 while (held >= 8) codes[at++] = (uint8_t)(acc >> (held -= 8));
             }
@@ -258,6 +304,8 @@ int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_
     free(low);
     free(step);
     free(row);
-    free(where);
+    free(row_low);
+    free(row_step);
+    free(row_codes);
     return rc;
 }
