@@ -29,35 +29,33 @@ def assert_same_bits(a: np.ndarray, b: np.ndarray) -> None:
     assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-@needs_core
-@pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("axis", ["channel", "token"])
-def test_real_samples_restore_alike(samples, bits, axis):
-    cache = KVCache.load(samples[0])
+def real_blocks(path, bits: int, axis: str):
+    """``(layout, block)`` over two real tensors in three dtypes, four group sizes and four token counts."""
+    cache = KVCache.load(path)
     for array in (cache.keys[3], cache.values[20]):
         for dtype in (array.dtype, np.float16, np.float32):
             for group in (1, 7, 64, 300):
                 for tokens in (0, 1, 37, array.shape[1]):
-                    block = np.ascontiguousarray(array[:, :tokens].astype(dtype))
-                    layout = IntQuant(bits, k=axis, v=axis, group=group)
-                    assert_same_bits(*both(layout, layout.forward_plane(block), PlaneSpec.of(block)))
+                    yield IntQuant(bits, k=axis, v=axis, group=group), np.ascontiguousarray(array[:, :tokens].astype(dtype))
+
+
+@needs_core
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_real_samples_restore_alike(samples, bits, axis):
+    for layout, block in real_blocks(samples[0], bits, axis):
+        assert_same_bits(*both(layout, layout.forward_plane(block), PlaneSpec.of(block)))
 
 
 @needs_core
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_real_samples_quantize_alike(samples, bits, axis):
-    cache = KVCache.load(samples[0])
-    for array in (cache.keys[3], cache.values[20]):
-        for dtype in (array.dtype, np.float16, np.float32):
-            for group in (1, 7, 64, 300):
-                for tokens in (0, 1, 37, array.shape[1]):
-                    block = np.ascontiguousarray(array[:, :tokens].astype(dtype))
-                    layout = IntQuant(bits, k=axis, v=axis, group=group)
-                    native = layout._native_forward(block)
-                    assert native is not None
-                    for ours, theirs in zip(native, layout.reference_forward(block)):
-                        assert_same_bits(ours, theirs)
+    for layout, block in real_blocks(samples[0], bits, axis):
+        native = layout._native_forward(block)
+        assert native is not None
+        for ours, theirs in zip(native, layout.reference_forward(block)):
+            assert_same_bits(ours, theirs)
 
 
 @st.composite

@@ -13,46 +13,12 @@
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "kvtool's native core assumes a little-endian machine"
-/* ---- int: the inverse of the lossy int:BITS stage (see intquant.c) ---- */
-
-typedef struct {
-    int dtype;             /* KVN_BF16, KVN_FP16 or KVN_FP32: the restored block's */
-    size_t heads, tokens, dim;
-    int bits;              /* 1..8 */
-    int channel_axis;      /* groups run along a channel's tokens (else along a token's channels) */
-    size_t group;          /* values per group */
-    size_t groups_per_head;/* (scale, min) pairs per head in the scales plane */
-} kvn_int_block;
-
-/* Restore a C-contiguous block from its codes plane and its fp16 scales plane [heads, groups_per_head, 2]. */
-int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales, void *out);
-/* Quantize a C-contiguous block into its codes plane (exactly its size) and scales plane. KVN_ERR_ARG also
- * where the reference refuses the values (non-finite, beyond fp16, a range its scale cannot hold). */
-int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales);
-
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KVN_NO_MULTIVERSION)
 #define KVN_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define KVN_MULTIVERSION
-/* ---- int: the inverse of the lossy int:BITS stage (see intquant.c) ---- */
-
-typedef struct {
-    int dtype;             /* KVN_BF16, KVN_FP16 or KVN_FP32: the restored block's */
-    size_t heads, tokens, dim;
-    int bits;              /* 1..8 */
-    int channel_axis;      /* groups run along a channel's tokens (else along a token's channels) */
-    size_t group;          /* values per group */
-    size_t groups_per_head;/* (scale, min) pairs per head in the scales plane */
-} kvn_int_block;
-
-/* Restore a C-contiguous block from its codes plane and its fp16 scales plane [heads, groups_per_head, 2]. */
-int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales, void *out);
-/* Quantize a C-contiguous block into its codes plane (exactly its size) and scales plane. KVN_ERR_ARG also
- * where the reference refuses the values (non-finite, beyond fp16, a range its scale cannot hold). */
-int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales);
-
 #endif
 
 static inline uint64_t kvn_rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -90,7 +56,7 @@ int kvn_exphuff_encode(const kvn_block *b, const void *src, uint8_t *dst, size_t
 /* Decode a chunk into the block at `dst` (laid out as b describes). */
 int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len, void *dst);
 
-/* ---- int: the inverse of the lossy int:BITS stage (see intquant.c) ---- */
+/* ---- int: the lossy int:BITS stage, both ways (see intquant.c) ---- */
 
 typedef struct {
     int dtype;             /* KVN_BF16, KVN_FP16 or KVN_FP32: the restored block's */
