@@ -90,7 +90,8 @@ class LossyLayout(PlaneWiseLayout):
 
 def finite_values(layout_id: str, plane: np.ndarray) -> np.ndarray:
     """``plane``'s values as float64 (exact for every input dtype); ``UsageError`` on a NaN or an infinity."""
-    values = plane.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a NaN's cast warns; it is refused just below
+        values = plane.astype(np.float64)
     if not np.isfinite(values).all():
         raise UsageError(f"lossy layout {layout_id!r} takes finite values only; this block holds NaN or infinity")
     return values
