@@ -54,8 +54,8 @@ AXES = ("channel", "token")
 KINDS = ("k", "v")
 MAX_GROUP = 1 << 16
 FP16_MAX = float(np.finfo(np.float16).max)
-#: The cache dtypes the C core restores (the rest take the numpy reference).
-NATIVE_DTYPES = ("bf16", "fp16", "fp32")
+#: The cache dtypes the C core takes, by numpy dtype (the rest go to the numpy reference, which refuses them).
+NATIVE_DTYPES = {DTYPES[name].numpy: name for name in ("bf16", "fp16", "fp32")}
 
 
 class IntQuant(LossyLayout):
@@ -112,8 +112,8 @@ class IntQuant(LossyLayout):
         """The C core's forward, the same bytes as ``reference_forward``; None where it is off or declines
         (values the reference refuses, with its own words)."""
         core = _native.core()
-        name = dtype_of(plane.dtype).name if plane.ndim == 3 else ""
-        if core is None or name not in NATIVE_DTYPES:
+        name = NATIVE_DTYPES.get(np.dtype(plane.dtype))
+        if core is None or name is None or plane.ndim != 3:
             return None
         codes_spec, scales_spec = self.plan_plane(PlaneSpec.of(plane))
         codes, scales = np.empty(codes_spec.shape, np.uint8), np.empty(scales_spec.shape, np.float16)
@@ -149,8 +149,8 @@ class IntQuant(LossyLayout):
     def _native_inverse(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray | None:
         """The C core's inverse, the same bits as ``reference_inverse``; None where it is off or declines (non-finite scales)."""
         core = _native.core()
-        name = dtype_of(spec.dtype).name
-        if core is None or name not in NATIVE_DTYPES:
+        name = NATIVE_DTYPES.get(np.dtype(spec.dtype))
+        if core is None or name is None:
             return None
         heads, tokens, dim = spec.shape
         out = np.empty(spec.shape, spec.dtype)
