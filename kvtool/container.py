@@ -37,7 +37,7 @@ from kvtool.errors import DecodeError, KvtoolError, OutputTooLargeError, UsageEr
 from kvtool.facts import AXES, ModelFacts
 from kvtool.fileio import atomic_write, open_regular
 from kvtool.layouts.base import PlaneSpec
-from kvtool.layouts.lossy import measured_error
+from kvtool.layouts.lossy import ErrorTally
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.tokens import token_range
 
@@ -138,17 +138,30 @@ def write_cache(
     tensors = list(cache.tensors())
     if tensors:
         recipe.plan(PlaneSpec.of(tensors[0][2][:, :1]))  # fail early on a recipe that does not fit the dtype
-    header = _header_bytes(cache, recipe, chunk_tokens, metadata or {})
-    out.write(PREAMBLE.pack(MAGIC, VERSION, len(header)))
-    out.write(header)
-    offset = PREAMBLE.size + len(header)
-
     records: list[tuple] = []
-    batch = BatchCodec.for_recipe(recipe, cache.dtype.numpy)
-    if batch is not None:
-        offset = _write_tensors(out, tensors, batch, chunk_tokens, threads, offset, records, on_progress)
+    if recipe.lossy:
+        # The header carries the error each tensor's round trip cost, known once every block is
+        # encoded: the chunks wait in memory (a fraction of the cache) and follow the header.
+        tally = ErrorTally(tensors)
+        body = io.BytesIO()
+        _write_blocks(body, tensors, recipe, chunk_tokens, threads, 0, records, on_progress, tally)
+        header = _header_bytes(cache, recipe, chunk_tokens, metadata or {}, tally.rows())
+        offset = PREAMBLE.size + len(header)
+        records = [r[:5] + (r[5] + offset,) + r[6:] for r in records]
+        out.write(PREAMBLE.pack(MAGIC, VERSION, len(header)))
+        out.write(header)
+        out.write(body.getbuffer())
+        offset += body.tell()
     else:
-        offset = _write_blocks(out, tensors, recipe, chunk_tokens, threads, offset, records, on_progress)
+        header = _header_bytes(cache, recipe, chunk_tokens, metadata or {})
+        out.write(PREAMBLE.pack(MAGIC, VERSION, len(header)))
+        out.write(header)
+        offset = PREAMBLE.size + len(header)
+        batch = BatchCodec.for_recipe(recipe, cache.dtype.numpy)
+        if batch is not None:
+            offset = _write_tensors(out, tensors, batch, chunk_tokens, threads, offset, records, on_progress)
+        else:
+            offset = _write_blocks(out, tensors, recipe, chunk_tokens, threads, offset, records, on_progress)
     index = np.array(records, dtype=INDEX_DTYPE).tobytes()
     out.write(index)
     fields = (offset, len(index), len(records), len(header), xxhash.xxh3_64_intdigest(header), xxhash.xxh3_64_intdigest(index))
@@ -156,14 +169,22 @@ def write_cache(
     return offset + len(index) + TRAILER.size
 
 
-def _write_blocks(out, tensors, recipe: Recipe, chunk_tokens: int, threads, offset: int, records: list, on_progress) -> int:
-    """The per-chunk path: any recipe, one block at a time through its layouts and codecs."""
+def _write_blocks(out, tensors, recipe: Recipe, chunk_tokens: int, threads, offset: int, records: list, on_progress,
+                  tally: ErrorTally | None = None) -> int:
+    """The per-chunk path: any recipe, one block at a time through its layouts and codecs; a lossy
+    recipe's round trip error goes to ``tally``."""
     blocks = (
         _Block(i, start, array[:, start : start + chunk_tokens])
         for i, (_, _, array) in enumerate(tensors)
         for start in range(0, array.shape[1], chunk_tokens)
     )
-    for block, chunks in _map_bounded(lambda b: _encode_block(b, recipe.for_kind(tensors[b.tensor][1])), blocks, threads):
+
+    def encode(block: _Block) -> tuple[list, Any]:
+        return _encode_block(block, recipe.for_kind(tensors[block.tensor][1]), tally is not None)
+
+    for block, (chunks, error) in _map_bounded(encode, blocks, threads):
+        if tally is not None:
+            tally.add(block.tensor, error)
         for plane, (flags, raw_len, raw_hash, stored_hash, stored) in enumerate(chunks):
             out.write(stored)
             records.append(
@@ -193,9 +214,14 @@ def _write_tensors(out, tensors, batch: BatchCodec, chunk_tokens: int, threads, 
     return offset
 
 
-def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, int, bytes | memoryview]]:
-    """``(flags, raw length, raw hash, stored hash, stored bytes)`` for each plane of a block."""
+def _encode_block(block: _Block, recipe: Recipe, measure: bool = False) -> tuple[list[tuple[int, int, int, int, bytes | memoryview]], Any]:
+    """``(flags, raw length, raw hash, stored hash, stored bytes)`` for each plane of a block; with
+    ``measure``, also what the round trip through the layouts costs it (``ErrorTally.block``)."""
     planes = recipe.layouts.forward([block.array])
+    error = None
+    if measure:
+        (approx,) = recipe.layouts.inverse(planes, [PlaneSpec.of(block.array)])
+        error = ErrorTally.block(block.array, approx)
     if recipe.array_codec is not None:
         stored_planes = [recipe.array_codec.encode_array(planes[0])]
     else:
@@ -209,7 +235,7 @@ def _encode_block(block: _Block, recipe: Recipe) -> list[tuple[int, int, int, in
             out.append((FLAG_STORED_RAW, len(raw), raw_hash, raw_hash, raw))
         else:
             out.append((0, len(raw), raw_hash, xxh3_64(stored), stored))
-    return out
+    return out, error
 
 
 def _plane_bytes(plane: np.ndarray) -> memoryview:
@@ -236,7 +262,8 @@ def _map_bounded(fn, items: Iterable, threads: int | None) -> Iterator[tuple[Any
             yield item, future.result()
 
 
-def _header_bytes(cache: KVCache, recipe: Recipe, chunk_tokens: int, metadata: dict[str, str]) -> bytes:
+def _header_bytes(cache: KVCache, recipe: Recipe, chunk_tokens: int, metadata: dict[str, str],
+                  error: list[dict[str, Any]] | None = None) -> bytes:
     header = {
         "format": "kvz",
         "version": VERSION,
@@ -250,8 +277,8 @@ def _header_bytes(cache: KVCache, recipe: Recipe, chunk_tokens: int, metadata: d
         "provenance": cache.provenance,
         "metadata": metadata,
     }
-    if recipe.lossy:  # the marker, and what the approximation costs each tensor
-        header["lossy"] = {"error": measured_error(cache.tensors(), recipe.layouts, chunk_tokens)}
+    if error is not None:  # the lossy marker, and what the approximation costs each tensor
+        header["lossy"] = {"error": error}
     if _depth(header) > MAX_JSON_DEPTH:
         raise UsageError(f"provenance is nested deeper than a .kvz header allows ({MAX_JSON_DEPTH} levels)")
     try:

@@ -121,31 +121,37 @@ def choice_param(layout_id: str, name: str, value: Any, choices: tuple[str, ...]
     return value
 
 
-def measured_error(tensors: Iterable[tuple[int, str, np.ndarray]], chain: "LayoutChain", chunk_tokens: int) -> list[dict[str, Any]]:
-    """What ``chain`` costs each tensor, cut in blocks of ``chunk_tokens`` as a container cuts it.
+class ErrorTally:
+    """What a lossy chain's round trip costs each tensor, summed block by block as a container encodes.
 
-    One row per ``(layer, kind, array)``: ``max_abs`` and ``rms`` of the error
-    of the round trip, and ``rel_rms``, the RMS error over the RMS of the
-    values. Numbers keep 6 significant digits.
+    ``rows()`` gives one row per tensor: ``max_abs`` and ``rms`` of the error,
+    and ``rel_rms``, the RMS error over the RMS of the values; numbers keep 6
+    significant digits.
     """
-    rows = []
-    for layer, kind, array in tensors:
-        bound = chain.for_kind(kind)
-        worst, squares, total = 0.0, 0.0, 0.0
-        for start in range(0, array.shape[1], chunk_tokens):
-            block = array[:, start : start + chunk_tokens]
-            (approx,) = bound.inverse(bound.forward([block]), [PlaneSpec.of(block)])
-            exact = block.astype(np.float64)
-            error = approx.astype(np.float64) - exact
-            worst = max(worst, float(np.abs(error).max(initial=0.0)))
-            squares += float(np.square(error).sum())
-            total += float(np.square(exact).sum())
-        rms = (squares / max(array.size, 1)) ** 0.5
-        rows.append({
-            "layer": layer, "kind": kind, "max_abs": _digits(worst), "rms": _digits(rms),
-            "rel_rms": _digits((squares / total) ** 0.5 if total else 0.0),
-        })
-    return rows
+
+    def __init__(self, tensors: Iterable[tuple[int, str, np.ndarray]]):
+        self._tensors = [(layer, kind, array.size) for layer, kind, array in tensors]
+        self._sums = [[0.0, 0.0, 0.0] for _ in self._tensors]  # worst, sum of squared errors, sum of squares
+
+    @staticmethod
+    def block(exact: np.ndarray, approx: np.ndarray) -> tuple[float, float, float]:
+        """One block's ``(worst, squared errors, squares)``: computed where the block is, added in order by ``add``."""
+        values = exact.astype(np.float64)
+        error = approx.astype(np.float64) - values
+        return float(np.abs(error).max(initial=0.0)), float(np.square(error).sum()), float(np.square(values).sum())
+
+    def add(self, tensor: int, block: tuple[float, float, float]) -> None:
+        sums = self._sums[tensor]
+        sums[0] = max(sums[0], block[0])
+        sums[1] += block[1]
+        sums[2] += block[2]
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [
+            {"layer": layer, "kind": kind, "max_abs": _digits(worst), "rms": _digits((squares / max(size, 1)) ** 0.5),
+             "rel_rms": _digits((squares / total) ** 0.5 if total else 0.0)}
+            for (layer, kind, size), (worst, squares, total) in zip(self._tensors, self._sums)
+        ]
 
 
 def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: Iterable[np.ndarray], chain: "LayoutChain", chunk_tokens: int) -> str | None:
