@@ -127,6 +127,16 @@ static int int_block(kvn_int_block *b, Py_buffer *floats, Py_buffer *scales, int
 #define INT_ARG_PTRS &dtype, &heads, &tokens, &dim, &bits, &channel_axis, &group, &groups_per_head
 #define INT_ARG_VALS dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head
 
+/* The shared end of int_quant and int_dequant: release the three buffers, the status as Python sees it. */
+static PyObject *int_status(int rc, Py_buffer *a, Py_buffer *b, Py_buffer *c) {
+    PyBuffer_Release(a);
+    PyBuffer_Release(b);
+    PyBuffer_Release(c);
+    if (rc < 0) return NULL;  /* int_block raised */
+    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
+    return PyLong_FromLong(rc);
+}
+
 /* int_quant(block, codes, scales, dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head) -> status */
 static PyObject *py_int_quant(PyObject *self, PyObject *args) {
     Py_buffer block, codes, scales;
@@ -139,12 +149,7 @@ static PyObject *py_int_quant(PyObject *self, PyObject *args) {
         rc = kvn_int_quant(&b, block.buf, codes.buf, (size_t)codes.len, scales.buf);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&block);
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&scales);
-    if (rc < 0) return NULL;
-    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
-    return PyLong_FromLong(rc);
+    return int_status(rc, &block, &codes, &scales);
 }
 
 /* int_dequant(codes, scales, out, dtype, heads, tokens, dim, bits, channel_axis, group, groups_per_head) -> status */
@@ -159,12 +164,7 @@ static PyObject *py_int_dequant(PyObject *self, PyObject *args) {
         rc = kvn_int_dequant(&b, codes.buf, (size_t)codes.len, scales.buf, out.buf);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&scales);
-    PyBuffer_Release(&out);
-    if (rc < 0) return NULL;
-    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
-    return PyLong_FromLong(rc);
+    return int_status(rc, &codes, &scales, &out);
 }
 
 /* Copy tokens [t0, t1) of every head between two [heads, *, dim] layouts. */
