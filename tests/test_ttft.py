@@ -32,6 +32,16 @@ def test_trace_respects_the_hit_rate(hit_rate):
         assert turn.new_tokens > 0
 
 
+def test_each_turn_starts_with_a_user_message_when_given():
+    messages = [[1, 2, 3], [4, 5]]
+    trace = build_trace(POOL, turns=3, max_context=1024, chunk_tokens=32, seed=1, user_message_tokens=messages)
+    plain = build_trace(POOL, turns=3, max_context=1024, chunk_tokens=32, seed=1)
+    for before, turn in zip([None, *trace], trace):
+        start = len(before.tokens) if before else turn.cached_tokens
+        assert any(turn.tokens[start : start + len(m)] == m for m in messages)
+    assert [len(t.tokens) for t in trace] == [len(t.tokens) for t in plain]
+
+
 def test_trace_refuses_what_it_cannot_build():
     with pytest.raises(UsageError):
         turn_lengths(3, 1.0, 4096, 128)

@@ -53,7 +53,15 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from kvtool.bench.trace import USER_MESSAGES, build_trace, read_texts  # noqa: E402
+from kvtool.bench.trace import build_trace, read_texts  # noqa: E402
+
+#: What a user says between an agent's tool outputs; each agent turn starts with one.
+USER_MESSAGES = (
+    "Summarise what the tool returned and decide the next step.",
+    "Check this output against the earlier one and list the differences.",
+    "Which part of this is relevant to the task? Quote it.",
+    "Continue with the plan; call the next tool if you need more context.",
+)
 
 CHUNK = 256  # tokens per entry: kvtool's chunk_tokens and LMCache's --chunk-size
 

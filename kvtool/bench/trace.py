@@ -71,11 +71,14 @@ def build_trace(
     max_context: int = 4096,
     chunk_tokens: int = 128,
     seed: int = 0,
+    user_message_tokens: Sequence[Sequence[int]] = (),
 ) -> list[Turn]:
     """The turns of one agent session, their tokens drawn from ``token_pool`` (a tokenized real text).
 
     Each turn's new tokens stand for a tool output: runs of the pool starting at
-    seeded random offsets, cut to fill the turn.
+    seeded random offsets, cut to fill the turn. With ``user_message_tokens``,
+    each turn starts with one of them, as a chat's user message
+    (``benchmarks/vs_lmcache`` sends such turns to a server).
     """
     plan = turn_lengths(turns, hit_rate, max_context, chunk_tokens)
     pool = list(token_pool)
@@ -93,7 +96,9 @@ def build_trace(
     tokens = draw(plan[0][1])  # the earlier session's context
     trace = []
     for index, (length, cached) in enumerate(plan):
-        tokens = tokens + draw(length - len(tokens))
+        need = length - len(tokens)
+        message = list(rng.choice(user_message_tokens))[:need] if user_message_tokens else []
+        tokens = tokens + message + draw(need - len(message))
         trace.append(Turn(index, list(tokens), cached))
     return trace
 
