@@ -27,6 +27,7 @@ def test_bench_accuracy_on_the_model(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["settings"]["positions"] == 16 and len(report["texts"]) == 1
+    assert report["texts"][0]["text"] == "samples/texts/PSF-LICENSE.txt"  # no machine's folders in a report
     lossless, lossy = report["pooled"]
     assert (lossless["recipe"], lossless["lossy"], lossy["recipe"], lossy["lossy"]) == ("exphuff", False, "int:2|zstd:3", True)
     assert lossless["top1"] == 1.0 and lossless["ppl_change_pct"] == 0.0 and lossless["kl"] == 0.0

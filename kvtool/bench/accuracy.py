@@ -39,6 +39,7 @@ from kvtool.bench.matrix import machine
 from kvtool.cache import KVCache
 from kvtool.container import KvzReader, encode_cache
 from kvtool.errors import UsageError
+from kvtool.paths import source_checkout
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 
 #: The recipes measured by default: the lossless default as the reference point, then
@@ -233,7 +234,7 @@ def run_accuracy(
             raise UsageError(f"{path}: {len(tokens)} tokens, but --prefix {prefix} and --positions {positions} need {needed}")
         started = time.perf_counter()
         text = _Text(engine, Path(path).name, tokens, prefix, positions, greedy)
-        infos.append({"text": str(path), "tokens": len(tokens), "reference_ppl": round(math.exp(text.reference_nll / positions), 6),
+        infos.append({"text": _shown(Path(path)), "tokens": len(tokens), "reference_ppl": round(math.exp(text.reference_nll / positions), 6),
                       "reference_seconds": round(time.perf_counter() - started, 1)})
         step(f"{text.name}: lossless reference")
         for spec in specs:
@@ -251,6 +252,14 @@ def run_accuracy(
     }
     pooled = [_pooled([r for r in rows if r.recipe == spec], sums[spec]) for spec in specs]
     return Report(machine(), settings, infos, rows, pooled, layers, [verdict(t, pooled, rows) for t in TARGETS])
+
+
+def _shown(path: Path) -> str:
+    """A text's path as the report records it: inside the source checkout relative to it, so a
+    report names no machine's folders; elsewhere as given."""
+    checkout = source_checkout()
+    resolved = path.resolve()
+    return str(resolved.relative_to(checkout)) if checkout is not None and resolved.is_relative_to(checkout) else str(path)
 
 
 def verdict(target: Target, pooled: list[Row], rows: list[Row]) -> dict[str, Any]:
