@@ -74,6 +74,19 @@ static void store_row(int dtype, const float *values, size_t count, void *out) {
     }
 }
 
+/* The checks both ways share; the (scale, min) pairs each head uses go to *used. */
+static int check_block(const kvn_int_block *b, size_t *used) {
+    if (b->dtype > KVN_FP32 || b->bits < 1 || b->bits > 8 || b->group < 1 || b->dim == 0) return KVN_ERR_ARG;
+    size_t token_groups = (b->tokens + b->group - 1) / b->group, channel_groups = (b->dim + b->group - 1) / b->group;
+    *used = b->channel_axis ? b->dim * token_groups : b->tokens * channel_groups;
+    return *used > b->groups_per_head ? KVN_ERR_ARG : KVN_OK;
+}
+
+/* The codes plane's size: every value's code, packed. */
+static size_t codes_bytes(const kvn_int_block *b) {
+    return (b->heads * b->tokens * b->dim * (size_t)b->bits + 7) / 8;
+}
+
 static int finite_pairs(const kvn_int_block *b, const uint16_t *scales, size_t used) {
     for (size_t h = 0; h < b->heads; h++)
         for (size_t i = 0; i < used * 2; i++)
@@ -84,13 +97,9 @@ static int finite_pairs(const kvn_int_block *b, const uint16_t *scales, size_t u
 KVN_MULTIVERSION
 int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales,
                     void *out) {
-    size_t n = b->heads * b->tokens * b->dim, group = b->group, dim = b->dim;
-    if (b->dtype > KVN_FP32 || b->bits < 1 || b->bits > 8 || group < 1 || dim == 0 ||
-        codes_len < (n * (size_t)b->bits + 7) / 8)
-        return KVN_ERR_ARG;
+    size_t used, group = b->group, dim = b->dim;
+    if (check_block(b, &used) || codes_len < codes_bytes(b) || !finite_pairs(b, scales, used)) return KVN_ERR_ARG;
     size_t token_groups = (b->tokens + group - 1) / group, channel_groups = (dim + group - 1) / group;
-    size_t used = b->channel_axis ? dim * token_groups : b->tokens * channel_groups;
-    if (used > b->groups_per_head || !finite_pairs(b, scales, used)) return KVN_ERR_ARG;
     size_t itemsize = b->dtype == KVN_FP32 ? 4 : 2;
     /* one row of codes, then of values; per channel the (scale, min) of the current token group */
     uint8_t *row_codes = malloc(dim);
@@ -240,13 +249,8 @@ static void row_params(const kvn_int_block *b, size_t h, size_t t, const double 
 
 KVN_MULTIVERSION
 int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales) {
-    size_t n = b->heads * b->tokens * b->dim, group = b->group, dim = b->dim;
-    if (b->dtype > KVN_FP32 || b->bits < 1 || b->bits > 8 || group < 1 || dim == 0 ||
-        codes_len != (n * (size_t)b->bits + 7) / 8)
-        return KVN_ERR_ARG;
-    size_t token_groups = (b->tokens + group - 1) / group, channel_groups = (dim + group - 1) / group;
-    size_t used = b->channel_axis ? dim * token_groups : b->tokens * channel_groups;
-    if (used > b->groups_per_head) return KVN_ERR_ARG;
+    size_t used, group = b->group, dim = b->dim;
+    if (check_block(b, &used) || codes_len != codes_bytes(b)) return KVN_ERR_ARG;
     size_t pairs = b->heads * b->groups_per_head + 1, itemsize = b->dtype == KVN_FP32 ? 4 : 2;
     double *least = malloc(pairs * sizeof(double)), *most = malloc(pairs * sizeof(double));
     double *low = malloc(pairs * sizeof(double)), *step = malloc(pairs * sizeof(double));
