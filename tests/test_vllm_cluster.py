@@ -13,8 +13,9 @@ import uuid
 import pytest
 
 from kvtool.cache import ModelFacts
-from kvtool.integrations.vllm.plan import EntryNamer, SaveJob, entries_to_save, find_stored_prefix, load_jobs
+from kvtool.integrations.vllm.plan import SaveJob, entries_to_save, load_jobs
 from kvtool.store import open_store
+from kvtool.store.prefixes import EntryNamer, find_stored_prefix
 
 torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
 

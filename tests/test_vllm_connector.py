@@ -9,18 +9,11 @@ import pytest
 
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
-from kvtool.integrations.vllm.plan import (
-    EntryNamer,
-    LoadJob,
-    SaveJob,
-    entries_to_save,
-    find_stored_prefix,
-    load_jobs,
-    tokens_in,
-)
+from kvtool.integrations.vllm.plan import LoadJob, SaveJob, entries_to_save, load_jobs
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
 from kvtool.store import open_store
+from kvtool.store.prefixes import EntryNamer, find_stored_prefix, tokens_in
 
 torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
 

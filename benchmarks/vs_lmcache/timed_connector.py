@@ -107,17 +107,28 @@ class TimedKvtoolConnector(KvtoolConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         global _store
-        _store = self._store
-        for tier in getattr(self._store, "tiers", [self._store]):
+        side = self.connector_scheduler or self.connector_worker
+        assert side is not None
+        _store = side.store
+        for tier in getattr(_store, "tiers", [_store]):
             tier._read = _timed("fetch", tier._read)
-        self._store.get_entry = _timed("get_entry", self._store.get_entry)
-        self._store.put = _timed("put", self._store.put)
+        _store.get_entry = _timed("get_entry", _store.get_entry)
+        _store.put = _timed("put", _store.put)
+        if self.connector_worker is not None:
+            save_entry = self.connector_worker._save_entry
+
+            def timed_save(entry_id: str, keys: list, values: list) -> None:
+                _timed("save", save_entry)(entry_id, keys, values)
+                _dump()
+
+            self.connector_worker._save_entry = timed_save  # type: ignore[method-assign]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return _timed("lookup", super().get_num_new_matched_tokens)(request, num_computed_tokens)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        loads = self._plan() is not None and bool(self._plan().loads)
+        plan = self._plan()
+        loads = plan is not None and bool(plan.loads)
         _timed("restore", super().start_load_kv)(forward_context, **kwargs)
         if loads:
             _dump()
@@ -130,10 +141,6 @@ class TimedKvtoolConnector(KvtoolConnector):
 
     def wait_for_save(self) -> None:
         _timed("step_end", super().wait_for_save)()
-
-    def _save_entry(self, entry_id: str, keys: list, values: list) -> None:
-        _timed("save", super()._save_entry)(entry_id, keys, values)
-        _dump()
 
     def shutdown(self) -> None:
         _dump()

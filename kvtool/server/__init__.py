@@ -1,4 +1,4 @@
-"""The hot/cold scheduling API over the wire: ``kvtool serve``, its Python client, and the vLLM in-process option.
+"""The hot/cold scheduling API over the wire: ``kvtool serve`` and its Python client.
 
 The party that knows the future (an agent framework that has just sent a long
 tool call, a router that knows where a session returns) is another process,
@@ -6,7 +6,9 @@ often on another host. This package puts a ``TieredStore``'s scheduling calls
 behind an authenticated HTTP API: lookup of a prompt's stored prefix, pin,
 unpin, prefetch, offload, evict, touch, a "needed again in N seconds" hint that
 the placement policy uses, a server-sent event stream and Prometheus metrics.
-docs/API.md describes the endpoints, errors and security model.
+docs/API.md describes the endpoints, errors and security model. The vLLM connector
+serves the same API from inside vLLM (``kvtool.integrations.vllm.embedded``);
+this package never imports ``kvtool.integrations``.
 
 Needs the ``api`` extra (FastAPI, uvicorn, httpx, prometheus_client, cbor2);
 ``import kvtool.server`` itself imports none of them.

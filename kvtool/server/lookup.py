@@ -9,7 +9,7 @@ same keys to find them:
 ``scheme="vllm"``    the vLLM connector: vLLM's own prefix-cache block hashes
     (the salt is the request's ``cache_salt``) named through the connector's
     ``EntryNamer``, one key per tensor-parallel rank, found with the
-    connector's own ``find_stored_prefix``.
+    connector's own ``find_stored_prefix`` (``kvtool.store.prefixes``).
 
 vLLM's block hash of a block is ``H((parent hash, token ids, extra keys))``
 where the first block's parent is ``H(seed)`` and its extra keys hold the
@@ -31,6 +31,7 @@ import xxhash
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store import PrefixKeyer, Store, TieredStore
+from kvtool.store.prefixes import EntryNamer, blocks_per_entry, find_stored_prefix, tokens_in
 
 SCHEMES = ("prefix", "vllm")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic hashes when PYTHONHASHSEED is unset
@@ -167,9 +168,6 @@ def lookup_prefix(store: Store, query: PrefixQuery, hasher: BlockHasher | None =
 
 
 def _vllm_chunks(store: Store, query: PrefixQuery, hasher: BlockHasher | None) -> list[tuple[list[str], int]]:
-    from kvtool.integrations.vllm.plan import EntryNamer, find_stored_prefix, tokens_in
-    from kvtool.integrations.vllm.settings import ConnectorSettings
-
     hash_algo = _filled(query.hash_algo, "hash_algo")
     if hasher is None or hasher.algo != hash_algo:
         hasher = BlockHasher(hash_algo, _filled(query.hash_seed, "hash_seed"))
@@ -177,7 +175,7 @@ def _vllm_chunks(store: Store, query: PrefixQuery, hasher: BlockHasher | None) -
     namer = EntryNamer(_filled(query.model, "model"), Recipe.parse(_filled(query.recipe, "recipe")).spec(),
                        _filled(query.kv_dtype, "kv_dtype"), block_size, _filled(query.tp_size, "tp_size"))
     hashes = hasher.hashes(query.tokens, block_size, _filled(query.salt, "salt"))
-    per_entry = ConnectorSettings(chunk_tokens=_filled(query.chunk_tokens, "chunk_tokens")).blocks_per_entry(block_size)
+    per_entry = blocks_per_entry(_filled(query.chunk_tokens, "chunk_tokens"), block_size)
     spans = find_stored_prefix(hashes, len(hashes), per_entry, namer, store.contains_many, tokens_in(store))
     return [(namer.keys(span.entry_id), span.num_blocks * block_size) for span in spans]
 

@@ -9,6 +9,7 @@ from kvtool.errors import UsageError
 from kvtool.integrations.vllm.dictionary import check_setting as check_dictionary
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store.file import default_path
+from kvtool.store.prefixes import blocks_per_entry
 from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
 
 
@@ -32,7 +33,7 @@ class ConnectorSettings:
     many entries saved into a memory tier may wait for their copy in the
     persistent tier below (0: none are copied before they leave memory or the
     server shuts down); ``api``: serve kvtool's HTTP API from this server over
-    the live store (``kvtool.server.embedded``); ``dictionary``: with a
+    the live store (``kvtool.integrations.vllm.embedded``); ``dictionary``: with a
     ``ctxans`` recipe, a ``.kvd`` model dictionary to code with, or
     ``train[:TOKENS]`` to learn one from the first entries saved
     (``kvtool.integrations.vllm.dictionary``)."""
@@ -65,4 +66,4 @@ class ConnectorSettings:
         return settings
 
     def blocks_per_entry(self, block_size: int) -> int:
-        return max(1, self.chunk_tokens // block_size)
+        return blocks_per_entry(self.chunk_tokens, block_size)

@@ -31,6 +31,7 @@ import torch
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.container import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
+from kvtool.integrations.vllm.fetch import fetch_entry
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
@@ -200,11 +201,9 @@ class Restore:
         key = self._key_of(p.job.entry_id)
         try:
             p.tier = (self._store.tier_of(key) or "") if isinstance(self._store, TieredStore) else self._store.name
-            damaged_before = _damaged_count(self._store)
-            entry = self._store.get_entry(key)
+            entry, cause = fetch_entry(self._store, key)
             if entry is None:
-                damaged = _damaged_count(self._store) > damaged_before  # this thread is the worker's only reader
-                self._fail(p, "entry damaged" if damaged else "entry missing", "damaged" if damaged else "missing")
+                self._fail(p, f"entry {cause}", str(cause))
                 return
             reader = KvzReader.from_bytes(entry.value)
         except KvtoolError as exc:
@@ -311,12 +310,6 @@ def decode_layer(
     """
     cache = reader.read(layers=[layer], tokens=slice(first_token, first_token + tokens), threads=1)
     return from_numpy(cache.keys[0], dtype), from_numpy(cache.values[0], dtype)
-
-
-def _damaged_count(store: Store) -> int:
-    """Damaged records the store (and its tiers) found so far."""
-    tiers = store.tiers if isinstance(store, TieredStore) else [store]
-    return sum(tier.metrics.snapshot()["corrupt"] for tier in tiers)
 
 
 @dataclass

@@ -1,0 +1,154 @@
+"""The connector's worker half: KV moves between the store and vLLM's paged tensors.
+
+vLLM calls it in each worker process (``register_kv_caches``, then per step
+``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``,
+``wait_for_save``). It carries out the scheduler's ``StepPlan`` with
+``transfer``'s ``Restore`` and ``Capture``, encodes and stores finished
+entries on a background thread, and reports blocks it could not restore
+through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvtool.integrations.vllm.context import ConnectorContext, ConnectorSide
+from kvtool.integrations.vllm.dictionary import DictionaryKeeper
+from kvtool.integrations.vllm.paged import kv_views
+from kvtool.integrations.vllm.plan import StepPlan
+from kvtool.integrations.vllm.transfer import Capture, PagedLayers, Restore, encode_and_store
+
+log = logging.getLogger("kvtool.vllm")
+
+STORE_SAMPLE_S = 5.0  # how often worker rank 0 reports what the store's tiers hold
+
+
+class KvtoolWorker(ConnectorSide):
+    """A worker's state: its paged layers, the step's restore and capture, the blocks that failed, the saver."""
+
+    side = "worker"
+
+    def __init__(self, context: ConnectorContext, vllm_config: Any) -> None:
+        super().__init__(context)
+        self._vllm_config = vllm_config
+        self.rank = _tensor_parallel_rank()
+        self._dicts = DictionaryKeeper(context.settings.dictionary, context.settings.recipe, self.store, context.facts)
+        self._layers: PagedLayers | None = None
+        self._overlap = False  # set by register_kv_caches from the settings and the device
+        self._restore: Restore | None = None
+        self._capture: Capture | None = None
+        self._load_errors: set[int] = set()
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtool-save")
+        self._store_sampled = 0.0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        backend = _attention_backend(self._vllm_config)
+        head_dim, block_size = self.context.facts.head_dim, self.context.block_size
+        views = [kv_views(t, backend, head_dim, block_size) for t in kv_caches.values()]
+        first = next(iter(kv_caches.values()))
+        self._layers = PagedLayers(list(kv_caches), [k for k, _ in views], [v for _, v in views], block_size, first.dtype)
+        overlap = self.context.settings.overlap
+        self._overlap = first.device.type != "cpu" if overlap is None else overlap
+        log.info("kvtool: %d layers, paged KV %s %s on %s (backend %s), restore %s", len(views), list(first.shape),
+                 first.dtype, first.device, backend, "overlapped with compute" if self._overlap else "before the forward pass")
+
+    def start_load_kv(self, plan: StepPlan | None) -> None:
+        if plan is None or not plan.loads or self._layers is None:
+            return
+        namer, rank = self.context.namer, self.rank
+        self._restore = Restore(self.store, lambda entry_id: namer.key(entry_id, rank), self._layers, plan.loads,
+                                self.stats)
+        self._restore.start(background=self._overlap)
+        if not self._overlap:
+            for index in range(len(self._layers.names)):
+                self._restore.copy_layer(index)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._restore is not None and self._layers is not None:
+            self._restore.copy_layer(self._layers.index(layer_name))
+
+    def save_kv_layer(self, layer_name: str, plan: StepPlan | None) -> None:
+        if plan is None or not plan.saves or self._layers is None:
+            return
+        if self._capture is None or self._capture.jobs is not plan.saves:
+            self._capture = Capture(plan.saves, len(self._layers.names))
+        self._capture.take_layer(self._layers.index(layer_name), self._layers)
+
+    def wait_for_save(self) -> None:
+        failed_requests: set[str] = set()
+        if self._restore is not None:
+            self._load_errors |= self._restore.finish()
+            failed_requests = self._restore.failed_requests()
+            self._restore = None
+        if self._capture is not None:
+            for entry_id, keys, values in self._capture.complete_entries(failed_requests):
+                self._saver.submit(self._save_entry, entry_id, keys, values)
+            self._capture = None
+
+    def _save_entry(self, entry_id: str, keys: list, values: list) -> None:
+        key = self.context.namer.key(entry_id, self.rank)
+        start = time.perf_counter()
+        try:
+            recipe = self._dicts.recipe_for(keys, values)
+            stored = encode_and_store(self.store, key, keys, values, recipe, self.context.facts)
+        except Exception:
+            log.exception("kvtool: saving entry %s failed", entry_id[:16])
+            stored = 0
+        self.stats.observe("save_seconds", time.perf_counter() - start)
+        if stored:
+            self.stats.count("entries_saved")
+            self.stats.count("saved_bytes", stored)
+            self.stats.count("saved_raw_bytes", sum(a.nbytes for a in keys) + sum(a.nbytes for a in values))
+        else:
+            self.stats.count("save_failures")
+        log.debug("kvtool: entry %s %s", entry_id[:16], "stored" if stored else "not stored")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> dict | None:
+        """As every half's, and every ``STORE_SAMPLE_S`` (rank 0) what the store's tiers hold, sampled off the step."""
+        now = time.monotonic()
+        if self.rank == 0 and not self._closed and now - self._store_sampled >= STORE_SAMPLE_S:
+            self._store_sampled = now  # counting a large store's entries takes a moment: not on the step's path
+            self._saver.submit(self._sample_store)
+        return super().take_stats()
+
+    def _sample_store(self) -> None:
+        try:
+            self.stats.sample_store(self.store)
+        except Exception:
+            log.exception("kvtool: reading the store's stats failed")
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._saver.shutdown(wait=True)
+        super().shutdown()
+
+    def _log_summary(self, done: dict) -> None:
+        log.info("kvtool at shutdown (worker %d): %d tokens restored, %d restore failures, %d entries saved "
+                 "(%.1f MB stored, ratio %s)", self.rank, done["tokens_restored"], done["restore_failures"],
+                 done["entries_saved"], done["saved_MB"], done.get("compression_ratio", "-"))
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
+
+
+def _attention_backend(vllm_config: Any) -> str:
+    """The name of the attention backend of the model's layers (the paged layout depends on it)."""
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        get_backend = getattr(layer, "get_attn_backend", None)
+        if get_backend is not None:
+            return get_backend().get_name()
+    return "unknown"
