@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool import _native
-from kvtool._native import ctxans_reference as reference
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
 from kvtool.container import decode_cache, encode_cache
 from kvtool.errors import DecodeError
+from kvtool.modeldict import ctxans_reference as reference
+from kvtool.modeldict import format as dict_format
 from kvtool.testing.arraycodecs import DTYPES
 
 core = _native.core()
@@ -140,3 +141,15 @@ def test_files_are_the_same_without_the_core(samples):
     blob = encode_cache(cache, "ctxans", chunk_tokens=32)
     assert hashlib.sha256(blob).hexdigest() == native.stdout.strip()
     assert decode_cache(blob).equal_bits(cache)
+
+
+@needs_core
+def test_the_core_is_built_with_the_formats_constants_and_refused_with_others(monkeypatch):
+    assert core.CTXANS_CONSTANTS == reference.NATIVE_CONSTANTS
+    for name in ("SYMBOLS", "LEVELS", "LOW", "PROB_BITS", "REF_SYMBOLS", "MAX_CLASSES", "MAX_CONTEXTS"):
+        assert reference.NATIVE_CONSTANTS[name] == getattr(dict_format, name)  # what .kvd dictionaries are made of
+    monkeypatch.delenv("KVTOOL_NATIVE", raising=False)
+    assert _native._load.__wrapped__()[0] is core
+    monkeypatch.setitem(reference.NATIVE_CONSTANTS, "LOW", reference.LOW + 1)
+    module, reason = _native._load.__wrapped__()
+    assert module is None and "other sources" in reason

@@ -3,8 +3,9 @@
 ``core()`` is the compiled extension (``kvtool._native._core``, built by ``pip
 install`` through setuptools) or ``None`` where it was not built or is turned
 off with ``KVTOOL_NATIVE=0``; kvtool then runs the numpy reference of the same
-formats (``kvtool._native.reference``), which writes and reads the same bytes,
-slowly, and says so once in a warning.
+formats (``kvtool._native.reference``; ctxans's is ``kvtool.modeldict.ctxans_reference``),
+which writes and reads the same bytes, slowly, and says so once in a warning. A core
+built from other sources (another job layout, other ctxans constants) is refused.
 """
 
 from __future__ import annotations
@@ -52,9 +53,17 @@ def _load() -> tuple[ModuleType | None, str]:
         module = importlib.import_module("kvtool._native._core")
     except ImportError as exc:
         return None, f"not built ({exc}); reinstall kvtool with a C compiler present"
-    if module.JOB_SIZE != JOB_DTYPE.itemsize or module.BLOCK_META_SIZE != BLOCK_META_DTYPE.itemsize:
+    if (module.JOB_SIZE != JOB_DTYPE.itemsize or module.BLOCK_META_SIZE != BLOCK_META_DTYPE.itemsize
+            or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
     return module, ""
+
+
+def _ctxans_constants() -> dict[str, int]:
+    """The ctxans format's constants on the Python side, which the core's ``CTXANS_CONSTANTS`` must equal."""
+    from kvtool.modeldict.ctxans_reference import NATIVE_CONSTANTS
+
+    return NATIVE_CONSTANTS
 
 
 def core() -> ModuleType | None:

@@ -404,6 +404,7 @@ release:
 PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_decode(PyObject *self, PyObject *args);
+int kvn_py_ctxans_add_constants(PyObject *module);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -429,7 +430,7 @@ PyMODINIT_FUNC PyInit__core(void) {
         PyModule_AddIntConstant(m, "BLOCK_META_SIZE", (long)sizeof(block_meta)) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_CORRUPT", KVN_ERR_CORRUPT) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_CHECKSUM", KVN_ERR_CHECKSUM) < 0 ||
-        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0) {
+        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0 || kvn_py_ctxans_add_constants(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,9 +1,21 @@
-/* ctxans: KV blocks coded with a model dictionary's context models and interleaved rANS. */
+/* ctxans: KV blocks coded with a model dictionary's context models and interleaved rANS.
+ * The API of ctxans_model.c, ctxans_encode.c and ctxans_decode.c (their shared insides: ctxans_impl.h). */
 #ifndef KVN_CTXANS_H
 #define KVN_CTXANS_H
 #include "kvn.h"
 
+/* The format's constants; Python has them too (kvtool/modeldict/format.py, ctxans_reference.py) and
+ * checks them against the core's CTXANS_CONSTANTS when it loads the core. */
+#define KVN_CTX_VERSION 1
+#define KVN_CTX_FLAG_REPEATS 1u
+#define KVN_CTX_HEAD_SIZE 16 /* version, flags, tag[4], u16 base reference, u32 escapes, u32 rANS bytes */
+#define KVN_CTX_STATES 16
+#define KVN_CTX_PROB_BITS 15
+#define KVN_CTX_RANS_LOW (1u << 16)
 #define KVN_CTX_SYMBOLS 64
+#define KVN_CTX_LEVELS 32
+#define KVN_CTX_LOW (-22)
+#define KVN_CTX_REF_SYMBOLS 32
 #define KVN_CTX_MAX_CLASSES 64
 #define KVN_CTX_MAX_CONTEXTS 32
 /* The most tokens one block may hold. */

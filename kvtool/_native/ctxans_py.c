@@ -123,3 +123,33 @@ PyObject *kvn_py_ctxans_decode(PyObject *self, PyObject *args) {
     if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
     return PyLong_FromLong(rc);
 }
+
+/* The format's constants as the core was built with them, as the module's CTXANS_CONSTANTS dict;
+ * kvtool._native refuses a core whose constants differ from Python's. 0 on success, -1 with an error set. */
+int kvn_py_ctxans_add_constants(PyObject *module) {
+    const struct { const char *name; long value; } constants[] = {
+        {"VERSION", KVN_CTX_VERSION},         {"FLAG_REPEATS", KVN_CTX_FLAG_REPEATS},
+        {"HEAD_SIZE", KVN_CTX_HEAD_SIZE},     {"STATES", KVN_CTX_STATES},
+        {"PROB_BITS", KVN_CTX_PROB_BITS},     {"RANS_LOW", KVN_CTX_RANS_LOW},
+        {"SYMBOLS", KVN_CTX_SYMBOLS},         {"LEVELS", KVN_CTX_LEVELS},
+        {"LOW", KVN_CTX_LOW},                 {"REF_SYMBOLS", KVN_CTX_REF_SYMBOLS},
+        {"MAX_CLASSES", KVN_CTX_MAX_CLASSES}, {"MAX_CONTEXTS", KVN_CTX_MAX_CONTEXTS},
+        {"MAX_TOKENS", (long)KVN_CTX_MAX_TOKENS},
+    };
+    PyObject *dict = PyDict_New();
+    if (!dict) return -1;
+    for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
+        PyObject *value = PyLong_FromLong(constants[i].value);
+        if (!value || PyDict_SetItemString(dict, constants[i].name, value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(dict);
+            return -1;
+        }
+        Py_DECREF(value);
+    }
+    if (PyModule_AddObject(module, "CTXANS_CONSTANTS", dict) < 0) {
+        Py_DECREF(dict);
+        return -1;
+    }
+    return 0;
+}

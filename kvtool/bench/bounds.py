@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtool._native import ctxans_reference
+from kvtool.modeldict import ctxans_reference
 from kvtool.cache import KVCache
 from kvtool.dtypes import DType, dtype_of
 from kvtool.modeldict.train import CONTEXTS, default_context_map

@@ -13,7 +13,7 @@ are stored raw.
 records the dictionary's id; decoding looks it up by that id
 (``kvtool.modeldict.registry``) and fails with ``MissingDictionaryError`` where
 it is not found, never with wrong data. The C core does the work; without it
-the numpy reference (``kvtool._native.ctxans_reference``) writes and reads the
+the numpy reference (``kvtool.modeldict.ctxans_reference``) writes and reads the
 same bytes, slowly. docs/FORMAT.md has the format.
 """
 
@@ -26,15 +26,14 @@ from typing import cast
 import numpy as np
 
 from kvtool import _native
-from kvtool._native import ctxans_reference as reference
 from kvtool.cache import dtype_of
 from kvtool.codecs.base import NativeArrayCodec, BufferLike, as_memoryview
 from kvtool.errors import DecodeError, UsageError
 from kvtool.modeldict import registry
+from kvtool.modeldict import ctxans_reference as reference
 from kvtool.modeldict.format import Dictionary
 
-#: The most tokens a block may hold (the core's sums stay within 32 bits).
-MAX_TOKENS = 1 << 22
+MAX_TOKENS = reference.MAX_TOKENS
 _CORE_ERRORS = {1: "malformed chunk", 3: "the chunk was coded with another dictionary"}
 
 

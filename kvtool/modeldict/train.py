@@ -15,9 +15,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from kvtool._native import ctxans_reference as ref
 from kvtool.cache import KVCache
 from kvtool.errors import UsageError
+from kvtool.modeldict import ctxans_reference as ref
 from kvtool.modeldict.format import (
     LEVELS, LOW, MAX_CLASSES, PROB_SCALE, REF_SYMBOLS, SYMBOLS, Dictionary,
 )

@@ -1,7 +1,8 @@
 """The ctxans chunk format in numpy and plain Python: the reference the C core must match bit for bit.
 
-Used where the core is not built, and by the tests as the oracle. ctxans.c
-explains the why of each step; docs/FORMAT.md specifies the bytes.
+Used where the core is not built, and by the tests as the oracle. The C files
+(kvtool/_native/ctxans_*.c, ctxans_impl.h) explain the why of each step;
+docs/FORMAT.md specifies the bytes.
 
 A block ``[heads, tokens, dim]`` is coded token by token, each token's heads
 in order, each head's row of ``dim`` values in order (*coding order*). A value
@@ -25,13 +26,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtool.errors import DecodeError
-from kvtool.modeldict.format import LEVELS, LOW, PROB_BITS, REF_SYMBOLS, SYMBOLS, CoderTables
+from kvtool.modeldict.format import (
+    LEVELS, LOW, MAX_CLASSES, MAX_CONTEXTS, PROB_BITS, REF_SYMBOLS, SYMBOLS, CoderTables,
+)
 
 VERSION = 1
 HEAD = struct.Struct("<BB4sHII")  # version, flags, dictionary tag, base reference, escapes, rANS bytes
 FLAG_REPEATS = 1
 STATES = 16
 RANS_LOW = 1 << 16
+#: The most tokens a block may hold (the core's sums stay within 32 bits).
+MAX_TOKENS = 1 << 22
+
+#: The format's constants by the names the C core exports them (its ``CTXANS_CONSTANTS``):
+#: ``kvtool._native`` refuses a core built with others.
+NATIVE_CONSTANTS = {
+    "VERSION": VERSION, "FLAG_REPEATS": FLAG_REPEATS, "HEAD_SIZE": HEAD.size, "STATES": STATES,
+    "PROB_BITS": PROB_BITS, "RANS_LOW": RANS_LOW, "SYMBOLS": SYMBOLS, "LEVELS": LEVELS, "LOW": LOW,
+    "REF_SYMBOLS": REF_SYMBOLS, "MAX_CLASSES": MAX_CLASSES, "MAX_CONTEXTS": MAX_CONTEXTS, "MAX_TOKENS": MAX_TOKENS,
+}
 
 
 @dataclass(frozen=True)
@@ -229,7 +242,7 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     if version != VERSION or flags & ~FLAG_REPEATS:
         raise DecodeError("ctxans: not a chunk of this format")
     if chunk_tag != tag:
-        raise DecodeError(f"ctxans: the chunk was coded with dictionary {chunk_tag.hex()}..., not {tag.hex()}...")
+        raise DecodeError(f"ctxans: the chunk was coded with another dictionary ({chunk_tag.hex()}..., not {tag.hex()}...)")
     out = np.zeros((tokens, heads, dim), f"u{family.width}")
     if not heads * tokens * dim:
         if len(data) != HEAD.size or flags or base or n_escapes or stream_len:
