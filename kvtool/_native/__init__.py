@@ -15,9 +15,13 @@ import importlib
 import os
 import warnings
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer  # anything with the buffer protocol
 
 #: One chunk for ``decode_blocks``; the C struct ``job`` in _core.c.
 JOB_DTYPE = np.dtype(
@@ -90,7 +94,10 @@ def byte_view(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def xxh3_64(data) -> int:
+def xxh3_64(data: ReadableBuffer | np.ndarray) -> int:
     """XXH3-64 of a buffer: the native one releases the GIL, so threads hash in parallel."""
     module = core()
-    return module.xxh3_64(data) if module is not None else xxhash.xxh3_64_intdigest(data)
+    if module is not None:
+        return module.xxh3_64(data)
+    # numpy arrays export the buffer protocol; numpy's stubs say so only from Python 3.12
+    return xxhash.xxh3_64_intdigest(cast("ReadableBuffer", data))

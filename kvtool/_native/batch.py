@@ -11,15 +11,18 @@ per-chunk path, which writes the same bytes.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from kvtool import _native
 from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer  # anything with the buffer protocol
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,9 @@ class BatchCodec:
     coded: bool  # exphuff; otherwise every chunk is the block's bytes as they are
 
     @classmethod
-    def for_recipe(cls, recipe, dtype: np.dtype) -> "BatchCodec | None":
-        """The batch path for ``recipe`` on ``dtype`` tensors, if the core implements it."""
+    def for_recipe(cls, recipe: Any, dtype: np.dtype) -> "BatchCodec | None":
+        """The batch path for ``recipe`` (a ``kvtool.recipe.Recipe``, above this package) on ``dtype`` tensors, if the core
+        implements it."""
         core = _native.core()
         if core is None or len(recipe.layouts) or recipe.plane_codecs:
             return None
@@ -51,7 +55,7 @@ class BatchCodec:
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
 
-    def decode(self, src, jobs: np.ndarray, out: np.ndarray, describe) -> None:
+    def decode(self, src: ReadableBuffer, jobs: np.ndarray, out: np.ndarray, describe: Callable[[int], str]) -> None:
         """Verify and decode ``jobs`` (JOB_DTYPE) from ``src`` into ``out`` ``[n, heads, tokens, dim]``.
 
         ``describe(i)`` names job ``i`` in an error message.
@@ -62,7 +66,8 @@ class BatchCodec:
         )
         self._raise(status, failed, describe)
 
-    def decode_rows(self, src, jobs: np.ndarray, row_starts: np.ndarray, rows: np.ndarray, targets: list, heads: int, dim: int, describe) -> None:
+    def decode_rows(self, src: ReadableBuffer, jobs: np.ndarray, row_starts: np.ndarray, rows: np.ndarray,
+                    targets: list[np.ndarray], heads: int, dim: int, describe: Callable[[int], str]) -> None:
         """Verify and decode ``jobs``; row (h, t) of job i goes to byte ``rows[row_starts[i] + h * tokens + t]`` of
         ``targets[out_index]`` (flat writable byte arrays)."""
         status, failed = self.core.decode_rows(
@@ -71,7 +76,7 @@ class BatchCodec:
         )
         self._raise(status, failed, describe)
 
-    def _raise(self, status: int, failed: int, describe) -> None:
+    def _raise(self, status: int, failed: int, describe: Callable[[int], str]) -> None:
         if status == self.core.STATUS_CHECKSUM:
             raise DecodeError(f"checksum mismatch in {describe(failed)}")
         if status == self.core.STATUS_ARG:
