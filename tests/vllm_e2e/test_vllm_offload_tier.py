@@ -1,0 +1,253 @@
+"""kvtool's secondary tier under vLLM's own TieringOffloadingSpec, with vLLM's real classes and no GPU.
+
+vLLM's spec builds everything a served engine's scheduler builds: the shared
+offload region, ``CPUPrimaryTierOffloadingManager``, the tier through
+``SecondaryTierFactory`` from the JSON a user writes, ``TieringOffloadingManager``.
+The tests play the GPU worker's part (write a chunk's bytes into the primary row
+vLLM hands out, read them back from the row vLLM names on a hit) and drive the
+scheduler's calls: store, evict by storing more, look up, promote, compare.
+The chunks hold real KV (samples/code.safetensors) laid out as vLLM's CUDA
+backends page it (LBNHC: per token, each head's key then value).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvtool
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvtool.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS, BLOCK, BLOCKS_PER_CHUNK = 2, 16, 2
+TOKENS = BLOCK * BLOCKS_PER_CHUNK
+PRIMARY_CHUNKS = 4
+END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+# What a user writes: --kv-transfer-config's kv_connector_extra_config (docs/VLLM.md).
+EXTRA_CONFIG = """{"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CPU_BYTES,
+  "secondary_tiers": [{"type": "KvtoolSecondaryTier", "module_path": "kvtool.integrations.vllm_offload",
+                       "store": "STORE", "recipe": "RECIPE", "head_dim": 64}]}"""
+
+
+@pytest.fixture(scope="module")
+def sample() -> kvtool.KVCache:
+    return kvtool.load(ROOT / "samples" / "code.safetensors")
+
+
+def chunk_bytes(sample: kvtool.KVCache, n: int) -> np.ndarray:
+    """Chunk ``n``'s row as vLLM's worker writes it: per layer, [tokens, heads, K|V, head_dim]."""
+    per_layer_pair = sample.num_tokens // TOKENS
+    first_layer, start = LAYERS * (n // per_layer_pair), TOKENS * (n % per_layer_pair)
+    rows = []
+    for layer in range(first_layer, first_layer + LAYERS):
+        k = sample.keys[layer][:, start:start + TOKENS]  # [heads, tokens, dim]
+        v = sample.values[layer][:, start:start + TOKENS]
+        rows.append(np.stack([k, v], axis=2).transpose(1, 0, 2, 3))  # [tokens, heads, 2, dim]
+    return np.ascontiguousarray(np.stack(rows)).reshape(-1).view(np.uint8)
+
+
+def make_spec(sample: kvtool.KVCache, store: str, recipe: str = "exphuff", layout: str = "LBNHC",
+              groups: int = 1, engine_id: str | None = None) -> TieringOffloadingSpec:
+    heads, _, dim = sample.keys[0].shape
+    per_block = LAYERS * BLOCK * heads * 2 * dim * sample.dtype.itemsize
+    text = (EXTRA_CONFIG.replace("CPU_BYTES", str(PRIMARY_CHUNKS * per_block * BLOCKS_PER_CHUNK))
+            .replace("STORE", store).replace("RECIPE", recipe))
+    layer_names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    config = OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(BLOCK, layer_names, g) for g in range(groups)),
+        worker_kv_bytes_per_block=per_block,
+        enable_kv_cache_events=False,
+        extra_config=json.loads(text),
+        engine_id=engine_id or f"kvtool-tier-test-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name="HuggingFaceTB/SmolLM2-135M-Instruct", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=BLOCKS_PER_CHUNK),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+            data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=True,
+        ),
+        kv_cache_layout=layout,
+    )
+    return TieringOffloadingSpec(config)
+
+
+class Engine:
+    """The scheduler's calls on vLLM's manager, and the GPU worker's copies in and out of the primary rows."""
+
+    def __init__(self, spec: TieringOffloadingSpec) -> None:
+        self.manager = spec.get_manager()
+        self.tier = self.manager.secondary_tiers[0]
+        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+        self.req = ReqContext(req_id=uuid.uuid4().hex)
+        self.manager.on_new_request(self.req)
+
+    def step(self) -> None:
+        """End one scheduler step after the tier's jobs have run (vLLM polls them each step)."""
+        self.tier.drain_jobs()
+        self.manager.on_schedule_end(END_OF_STEP)
+
+    def store(self, keys: list[bytes], chunks: list[np.ndarray]) -> list[bytes]:
+        """Offload chunks as the GPU worker would; the keys vLLM evicted from its CPU tier to make room."""
+        out = self.manager.prepare_store(keys, self.req)
+        assert out is not None and out.keys_to_store == keys
+        for row, chunk in zip(out.store_spec.chunk_ids, chunks):
+            self.rows[int(row), :chunk.size] = chunk
+        self.manager.complete_store(keys, self.req)
+        self.step()
+        return list(out.evicted_keys)
+
+    def lookup(self, key: bytes, steps: int = 20) -> LookupResult:
+        """vLLM's lookup, repeated a step at a time while it asks to retry or waits for a promotion."""
+        result = self.manager.lookup(key, self.req)
+        for _ in range(steps):
+            if result not in (LookupResult.RETRY, LookupResult.HIT_PENDING):
+                break
+            self.step()
+            time.sleep(0.01)  # the lookup thread answers between steps
+            result = self.manager.lookup(key, self.req)
+        return result
+
+    def read(self, key: bytes, size: int) -> np.ndarray:
+        """Load a chunk the lookup found, as the GPU worker would: the bytes of the row vLLM names."""
+        spec = self.manager.prepare_load([key], self.req)
+        data = self.rows[int(spec.chunk_ids[0]), :size].copy()
+        self.manager.complete_load([key], self.req)
+        return data
+
+    def close(self) -> None:
+        self.manager.on_request_finished(self.req)
+        self.step()
+        self.manager.shutdown()
+
+
+def offload_key(n: int) -> bytes:
+    return make_offload_key(n.to_bytes(4, "big") * 8, 0)
+
+
+def fill_and_evict(engine: Engine, sample: kvtool.KVCache, n: int) -> tuple[list[bytes], list[np.ndarray]]:
+    """Store ``n`` chunks, then as many again: the first ``n`` leave vLLM's CPU tier, kept only by kvtool."""
+    keys = [offload_key(i) for i in range(2 * n)]
+    chunks = [chunk_bytes(sample, i) for i in range(2 * n)]
+    engine.store(keys[:n], chunks[:n])
+    evicted = engine.store(keys[n:], chunks[n:])
+    assert sorted(evicted) == sorted(keys[:n])
+    for key in keys[:n]:
+        assert engine.manager.primary_tier.lookup(key, engine.req) is LookupResult.MISS
+    return keys, chunks
+
+
+def test_evicted_chunks_come_back_bit_exact_through_promotion(tmp_path, sample):
+    engine = Engine(make_spec(sample, f"file://{tmp_path}/store"))
+    try:
+        keys, chunks = fill_and_evict(engine, sample, PRIMARY_CHUNKS)
+        assert len(engine.tier.store.keys()) == 2 * PRIMARY_CHUNKS
+        for key, chunk in zip(keys[:2], chunks[:2]):
+            assert engine.lookup(key) is LookupResult.HIT
+            assert np.array_equal(engine.read(key, chunk.size), chunk)
+        unknown = offload_key(999)
+        assert engine.lookup(unknown) is LookupResult.MISS
+    finally:
+        engine.close()
+
+
+def test_a_restarted_manager_finds_the_chunks_in_the_file_store(tmp_path, sample):
+    url = f"file://{tmp_path}/store?capacity=64MiB"
+    engine = Engine(make_spec(sample, url))
+    keys = [offload_key(i) for i in range(PRIMARY_CHUNKS)]
+    chunks = [chunk_bytes(sample, i) for i in range(PRIMARY_CHUNKS)]
+    try:
+        engine.store(keys, chunks)
+    finally:
+        engine.close()
+    engine = Engine(make_spec(sample, url))  # a new process's manager: empty CPU tier, same store
+    try:
+        for key, chunk in zip(keys, chunks):
+            assert engine.manager.primary_tier.lookup(key, engine.req) is LookupResult.MISS
+            assert engine.lookup(key) is LookupResult.HIT
+            assert np.array_equal(engine.read(key, chunk.size), chunk)
+    finally:
+        engine.close()
+
+
+def test_a_damaged_entry_is_a_miss_never_wrong_bytes(tmp_path, sample):
+    engine = Engine(make_spec(sample, f"file://{tmp_path}/store"))
+    try:
+        keys, chunks = fill_and_evict(engine, sample, PRIMARY_CHUNKS)
+        damaged = keys[1]
+        path = next(p for p in (tmp_path / "store" / "entries").rglob("*.kve")
+                    if engine.tier.namer.key(damaged).encode() in p.read_bytes())
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x10  # one bit in the encoded chunk
+        path.write_bytes(bytes(data))
+        assert engine.lookup(damaged) is LookupResult.MISS  # found in the index, refused by the checksum
+        assert engine.manager.primary_tier.lookup(damaged, engine.req) is LookupResult.MISS
+        assert engine.lookup(keys[0]) is LookupResult.HIT  # its neighbours still restore
+        assert np.array_equal(engine.read(keys[0], chunks[0].size), chunks[0])
+    finally:
+        engine.close()
+
+
+def test_lossy_recipe_restores_within_its_bound(tmp_path, sample):
+    bits = 3
+    engine = Engine(make_spec(sample, "memory://?capacity=64MiB", recipe=f"mant-round:{bits}|byteplane|zstd:3"))
+    try:
+        keys, chunks = fill_and_evict(engine, sample, PRIMARY_CHUNKS)
+        stored = sum(engine.tier.store.info(k).size for k in engine.tier.store.keys())
+        assert stored < sum(c.size for c in chunks) / 2
+        for key, chunk in zip(keys[:PRIMARY_CHUNKS], chunks):
+            assert engine.lookup(key) is LookupResult.HIT
+            restored = engine.read(key, chunk.size).view(sample.dtype.numpy).astype(np.float32)
+            original = chunk.view(sample.dtype.numpy).astype(np.float32)
+            # round to nearest with `bits` mantissa bits: off by at most half a unit in the last kept place
+            assert np.all(np.abs(restored - original) <= np.abs(original) * 2.0 ** -(bits + 1))
+            assert not np.array_equal(restored, original)
+    finally:
+        engine.close()
+
+
+def test_a_lossy_entry_never_answers_a_lossless_lookup(tmp_path, sample):
+    url = f"file://{tmp_path}/store"
+    lossy = Engine(make_spec(sample, url, recipe="mant-round:3|byteplane|zstd:3"))
+    try:
+        lossy.store([offload_key(0)], [chunk_bytes(sample, 0)])
+    finally:
+        lossy.close()
+    lossless = Engine(make_spec(sample, url))
+    try:
+        assert lossless.lookup(offload_key(0)) is LookupResult.MISS
+    finally:
+        lossless.close()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"layout": "BLNHC"}, "KV cache layout 'BLNHC' is not supported"),
+    ({"layout": "LBHNC", "head_dim": None}, "needs the model's head_dim"),
+    ({"groups": 2}, "2 KV cache groups"),
+])
+def test_layouts_it_does_not_understand_stop_startup_with_one_line(tmp_path, sample, change, message):
+    head_dim = change.pop("head_dim", 64)
+    spec = make_spec(sample, f"file://{tmp_path}/store", **change)
+    if head_dim is None:
+        spec.secondary_tier_configs[0].pop("head_dim")
+    with pytest.raises(UsageError, match=message) as info:
+        spec.get_manager()
+    assert "\n" not in str(info.value)
+    assert not os.path.exists(f"/dev/shm/vllm_offload_{spec._engine_id}.mmap")
