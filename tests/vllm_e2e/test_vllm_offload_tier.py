@@ -53,23 +53,35 @@ def sample() -> kvtool.KVCache:
     return kvtool.load(ROOT / "samples" / "code.safetensors")
 
 
-def chunk_bytes(sample: kvtool.KVCache, n: int) -> np.ndarray:
-    """Chunk ``n``'s row as vLLM's worker writes it: per layer, [tokens, heads, K|V, head_dim]."""
+def chunk_bytes(sample: kvtool.KVCache, n: int, layout: str = "LBNHC", workers: int = 1) -> np.ndarray:
+    """Chunk ``n``'s row as vLLM's workers write it: per worker, per layer, each block's page
+    (LBNHC: [tokens, heads, K|V, head_dim]; LBHNC: [heads, tokens, K|V, head_dim])."""
+    cells = []
+    for worker in range(workers):
+        first_layer, start = first_of_chunk(sample, n * workers + worker)
+        for layer in range(first_layer, first_layer + LAYERS):
+            k = sample.keys[layer][:, start:start + TOKENS]  # [heads, tokens, dim]
+            v = sample.values[layer][:, start:start + TOKENS]
+            kv = np.stack([k, v], axis=2)  # [heads, tokens, 2, dim]
+            if layout == "LBNHC":
+                cells.append(kv.transpose(1, 0, 2, 3))
+            else:
+                heads, _, _, dim = kv.shape
+                cells.append(kv.reshape(heads, BLOCKS_PER_CHUNK, BLOCK, 2, dim).transpose(1, 0, 2, 3, 4))
+    return np.concatenate([np.ascontiguousarray(c).reshape(-1) for c in cells]).view(np.uint8)
+
+
+def first_of_chunk(sample: kvtool.KVCache, n: int) -> tuple[int, int]:
+    """The first layer and token of the sample that slice ``n`` of chunk data starts at."""
     per_layer_pair = sample.num_tokens // TOKENS
-    first_layer, start = LAYERS * (n // per_layer_pair), TOKENS * (n % per_layer_pair)
-    rows = []
-    for layer in range(first_layer, first_layer + LAYERS):
-        k = sample.keys[layer][:, start:start + TOKENS]  # [heads, tokens, dim]
-        v = sample.values[layer][:, start:start + TOKENS]
-        rows.append(np.stack([k, v], axis=2).transpose(1, 0, 2, 3))  # [tokens, heads, 2, dim]
-    return np.ascontiguousarray(np.stack(rows)).reshape(-1).view(np.uint8)
+    return LAYERS * (n // per_layer_pair) % sample.num_layers, TOKENS * (n % per_layer_pair)
 
 
 def make_spec(sample: kvtool.KVCache, store: str, recipe: str = "exphuff", layout: str = "LBNHC",
-              groups: int = 1, engine_id: str | None = None) -> TieringOffloadingSpec:
+              groups: int = 1, workers: int = 1) -> TieringOffloadingSpec:
     heads, _, dim = sample.keys[0].shape
     per_block = LAYERS * BLOCK * heads * 2 * dim * sample.dtype.itemsize
-    text = (EXTRA_CONFIG.replace("CPU_BYTES", str(PRIMARY_CHUNKS * per_block * BLOCKS_PER_CHUNK))
+    text = (EXTRA_CONFIG.replace("CPU_BYTES", str(PRIMARY_CHUNKS * per_block * BLOCKS_PER_CHUNK * workers))
             .replace("STORE", store).replace("RECIPE", recipe))
     layer_names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
     config = OffloadingConfig(
@@ -77,11 +89,11 @@ def make_spec(sample: kvtool.KVCache, store: str, recipe: str = "exphuff", layou
         worker_kv_bytes_per_block=per_block,
         enable_kv_cache_events=False,
         extra_config=json.loads(text),
-        engine_id=engine_id or f"kvtool-tier-test-{uuid.uuid4().hex[:12]}",
+        engine_id=f"kvtool-tier-test-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name="HuggingFaceTB/SmolLM2-135M-Instruct", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=BLOCKS_PER_CHUNK),
         parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
+            rank=0, world_size=workers, tp_size=workers, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
             data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=True,
         ),
         kv_cache_layout=layout,
@@ -142,10 +154,11 @@ def offload_key(n: int) -> bytes:
     return make_offload_key(n.to_bytes(4, "big") * 8, 0)
 
 
-def fill_and_evict(engine: Engine, sample: kvtool.KVCache, n: int) -> tuple[list[bytes], list[np.ndarray]]:
+def fill_and_evict(engine: Engine, sample: kvtool.KVCache, n: int, layout: str = "LBNHC",
+                   workers: int = 1) -> tuple[list[bytes], list[np.ndarray]]:
     """Store ``n`` chunks, then as many again: the first ``n`` leave vLLM's CPU tier, kept only by kvtool."""
     keys = [offload_key(i) for i in range(2 * n)]
-    chunks = [chunk_bytes(sample, i) for i in range(2 * n)]
+    chunks = [chunk_bytes(sample, i, layout, workers) for i in range(2 * n)]
     engine.store(keys[:n], chunks[:n])
     evicted = engine.store(keys[n:], chunks[n:])
     assert sorted(evicted) == sorted(keys[:n])
@@ -154,16 +167,54 @@ def fill_and_evict(engine: Engine, sample: kvtool.KVCache, n: int) -> tuple[list
     return keys, chunks
 
 
-def test_evicted_chunks_come_back_bit_exact_through_promotion(tmp_path, sample):
-    engine = Engine(make_spec(sample, f"file://{tmp_path}/store"))
+@pytest.mark.parametrize(("layout", "head_dim", "workers"), [
+    ("LBNHC", 64, 1), ("LBHNC", 64, 1), ("LBNHC", None, 1), ("LBNHC", 64, 2),
+])
+def test_evicted_chunks_come_back_bit_exact_through_promotion(tmp_path, sample, layout, head_dim, workers):
+    spec = make_spec(sample, f"file://{tmp_path}/store", layout=layout, workers=workers)
+    if head_dim is None:
+        spec.secondary_tier_configs[0].pop("head_dim")
+    engine = Engine(spec)
     try:
-        keys, chunks = fill_and_evict(engine, sample, PRIMARY_CHUNKS)
+        keys, chunks = fill_and_evict(engine, sample, PRIMARY_CHUNKS, layout, workers)
         assert len(engine.tier.store.keys()) == 2 * PRIMARY_CHUNKS
-        for key, chunk in zip(keys[:2], chunks[:2]):
+        for key, chunk in zip(keys[:PRIMARY_CHUNKS], chunks):
             assert engine.lookup(key) is LookupResult.HIT
             assert np.array_equal(engine.read(key, chunk.size), chunk)
-        unknown = offload_key(999)
-        assert engine.lookup(unknown) is LookupResult.MISS
+        assert engine.lookup(offload_key(999)) is LookupResult.MISS
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_with_head_dim_a_stored_chunk_is_the_model_s_keys_and_values(tmp_path, sample, layout):
+    engine = Engine(make_spec(sample, f"file://{tmp_path}/store", layout=layout, workers=2))
+    try:
+        engine.store([offload_key(3)], [chunk_bytes(sample, 3, layout, workers=2)])
+        stored = kvtool.decode_cache(engine.tier.store.get(engine.tier.namer.key(offload_key(3))))
+    finally:
+        engine.close()
+    assert stored.num_layers == 2 * LAYERS and stored.num_tokens == TOKENS
+    for worker in range(2):
+        first_layer, start = first_of_chunk(sample, 3 * 2 + worker)
+        expected = sample.select(range(first_layer, first_layer + LAYERS), slice(start, start + TOKENS))
+        for i in range(LAYERS):
+            for got, want in ((stored.keys[worker * LAYERS + i], expected.keys[i]),
+                              (stored.values[worker * LAYERS + i], expected.values[i])):
+                assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_stores_past_the_bound_are_dropped_and_stay_in_vllm_cpu_tier(tmp_path, sample):
+    spec = make_spec(sample, f"file://{tmp_path}/store")
+    spec.secondary_tier_configs[0]["max_pending_stores"] = 1
+    engine = Engine(spec)
+    try:
+        keys = [offload_key(i) for i in range(2)]
+        engine.store(keys, [chunk_bytes(sample, i) for i in range(2)])  # one job of two chunks: over the bound
+        assert engine.tier.stores_dropped == 2 and engine.tier.store.keys() == []
+        assert all(engine.manager.primary_tier.lookup(k, engine.req) is LookupResult.HIT for k in keys)
+        engine.store([offload_key(2)], [chunk_bytes(sample, 2)])  # one chunk fits
+        assert len(engine.tier.store.keys()) == 1
     finally:
         engine.close()
 
