@@ -43,8 +43,11 @@ def save_row(store: Store, key: str, region: np.ndarray, row: int, layout: RowLa
         return False
 
 
-def load_row(store: Store, key: str, region: np.ndarray, row: int, layout: RowLayout) -> bool:
-    """Decode the entry under ``key`` into chunk ``row`` of the region; False (a miss) if it cannot be."""
+def load_row(store: Store, key: str, region: np.ndarray, row: int, layout: RowLayout, offsets: np.ndarray) -> bool:
+    """Decode the entry under ``key`` into chunk ``row`` of the region; False (a miss) if it cannot be.
+
+    ``offsets`` is ``layout.row_offsets()``, computed once.
+    """
     try:
         entry = store.get_entry(key)
         if entry is None:
@@ -60,8 +63,7 @@ def load_row(store: Store, key: str, region: np.ndarray, row: int, layout: RowLa
             if not fits:
                 log.warning("chunk %s does not hold a row of this layout; treated as a miss", key[-16:])
                 return False
-            rows = layout.row_offsets(row)
-            reader.read_rows([region.reshape(-1)], rows, [0] * rows.shape[0])
+            reader.read_rows([region.reshape(-1)], offsets + row * layout.row_stride, [0] * offsets.shape[0])
         return True
     except KvtoolError as exc:
         log.warning("chunk %s not restored: %s", key[-16:], exc)

@@ -136,14 +136,16 @@ class RowLayout:
             return 1, self.tokens, token_elems // 2
         return token_elems // (2 * self.head_dim), self.tokens, self.head_dim
 
-    def split(self, flat: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Keys and values of every array of a row given as its first ``used_bytes`` in elements.
+    def split(self, flat: np.ndarray, dim: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Keys and values ``[kv_heads, tokens, dim]`` of every array of a row, from the row's first
+        ``used_bytes`` as elements (``dim`` left out), or as runs of ``head_dim`` elements (``dim=1``).
 
-        The same cut serves the data (to encode) and an index of element positions (to decode
-        into): ``split(np.arange(n))`` says where each stored row goes back.
+        The same cut serves the data (to encode) and an index of runs (``row_offsets``: where
+        each decoded run goes back).
         """
-        heads, tokens, dim = self.array_shape
-        seg = self.blocks * self.page_bytes // self.dtype.itemsize
+        heads, tokens, full = self.array_shape
+        dim = full if dim is None else dim
+        seg = flat.size // self.num_arrays
         out = []
         for i in range(self.num_arrays):
             part = flat[i * seg:(i + 1) * seg]
@@ -159,11 +161,12 @@ class RowLayout:
                 out.append((k, v))
         return out
 
-    def row_offsets(self, row: int) -> np.ndarray:
-        """Byte offsets ``[2 * num_arrays, kv_heads, tokens]`` of every stored row of chunk ``row`` in the region."""
-        index = np.arange(self.used_bytes // self.dtype.itemsize, dtype=np.int64)
-        starts = [a[:, :, 0] for pair in self.split(index) for a in pair]
-        return np.stack(starts) * self.dtype.itemsize + row * self.row_stride
+    def row_offsets(self) -> np.ndarray:
+        """Byte offsets ``[2 * num_arrays, kv_heads, tokens]`` of every decoded run within a row."""
+        run = self.array_shape[2]
+        index = np.arange(self.used_bytes // self.dtype.itemsize // run, dtype=np.int64)
+        starts = [a[:, :, 0] for pair in self.split(index, dim=1) for a in pair]
+        return np.stack(starts) * (run * self.dtype.itemsize)
 
     def signature(self) -> str:
         """What a stored chunk's arrays depend on besides model and recipe (part of its key)."""

@@ -106,6 +106,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self.recipe = Recipe.parse(recipe).spec()
         self.namer = ChunkNamer.from_config(offloading_spec.config, self.recipe, self.layout, model_id)
         self._region = np.asarray(primary_kv_view).view(np.uint8)
+        self._offsets = self.layout.row_offsets()
         self.store = open_store(store)
         self._max_pending = max_pending_stores
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
@@ -203,7 +204,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         start, loaded = time.monotonic(), set()
         try:
             for key, row in zip(keys, rows):
-                if load_row(self.store, self.namer.key(key), self._region, row, self.layout):
+                if load_row(self.store, self.namer.key(key), self._region, row, self.layout, self._offsets):
                     loaded.add(key)
         except Exception:  # on a pool thread: the chunks not loaded are misses
             log.exception("kvtool tier: load job %d failed", job_id)
