@@ -147,6 +147,7 @@ class Engine:
     def close(self) -> None:
         self.manager.on_request_finished(self.req)
         self.step()
+        del self.rows  # the worker's view of the region, as a worker's ends with it
         self.manager.shutdown()
 
 
@@ -221,13 +222,16 @@ def test_stores_past_the_bound_are_dropped_and_stay_in_vllm_cpu_tier(tmp_path, s
 
 def test_a_restarted_manager_finds_the_chunks_in_the_file_store(tmp_path, sample):
     url = f"file://{tmp_path}/store?capacity=64MiB"
-    engine = Engine(make_spec(sample, url))
+    spec = make_spec(sample, url)
+    engine = Engine(spec)
+    region = spec._scheduler_mmap.mmap_obj
     keys = [offload_key(i) for i in range(PRIMARY_CHUNKS)]
     chunks = [chunk_bytes(sample, i) for i in range(PRIMARY_CHUNKS)]
     try:
         engine.store(keys, chunks)
     finally:
         engine.close()
+    assert region.closed  # the tier let go of vLLM's shared region, so vLLM could unmap it
     engine = Engine(make_spec(sample, url))  # a new process's manager: empty CPU tier, same store
     try:
         for key, chunk in zip(keys, chunks):

@@ -178,6 +178,8 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self._lookups.shutdown()
         self._pool.shutdown(wait=True)
         self.store.close()
+        # Let go of vLLM's shared region, which vLLM closes next: a live view would keep it mapped.
+        self._region = np.empty((0, 0), np.uint8)
 
     # -- pool threads ---------------------------------------------------------------------
     def _store_job(self, job_id: int, keys: list[OffloadKey], rows: list[int]) -> None:
