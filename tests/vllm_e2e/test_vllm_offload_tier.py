@@ -207,15 +207,16 @@ def test_with_head_dim_a_stored_chunk_is_the_model_s_keys_and_values(tmp_path, s
 
 def test_stores_past_the_bound_are_dropped_and_stay_in_vllm_cpu_tier(tmp_path, sample):
     spec = make_spec(sample, f"file://{tmp_path}/store")
-    spec.secondary_tier_configs[0]["max_pending_stores"] = 1
+    spec.secondary_tier_configs[0]["max_pending_stores"] = 2
     engine = Engine(spec)
     try:
-        keys = [offload_key(i) for i in range(2)]
-        engine.store(keys, [chunk_bytes(sample, i) for i in range(2)])  # one job of two chunks: over the bound
-        assert engine.tier.stores_dropped == 2 and engine.tier.store.keys() == []
+        keys = [offload_key(i) for i in range(3)]
+        engine.store(keys, [chunk_bytes(sample, i) for i in range(3)])  # one job of three chunks: one too many
+        stored = {engine.tier.namer.key(k) for k in keys[:2]}
+        assert engine.tier.stores_dropped == 1 and set(engine.tier.store.keys()) == stored
         assert all(engine.manager.primary_tier.lookup(k, engine.req) is LookupResult.HIT for k in keys)
-        engine.store([offload_key(2)], [chunk_bytes(sample, 2)])  # one chunk fits
-        assert len(engine.tier.store.keys()) == 1
+        engine.store([offload_key(3)], [chunk_bytes(sample, 3)])  # the first ones are done: room again
+        assert len(engine.tier.store.keys()) == 3
     finally:
         engine.close()
 

@@ -12,10 +12,11 @@ Everything vLLM calls runs in its scheduler process and returns at once:
 - ``lookup`` asks the store on vLLM's own lookup thread (``AsyncLookupManager``,
   as vLLM's ``fs`` tier does) and answers RETRY until the answer is in;
 - ``submit_store`` and ``submit_load`` queue the work on a bounded pool of
-  ``workers`` threads; at most ``max_pending_stores`` chunks wait to be stored,
-  and a store that would pass that is dropped at once (reported as failed, so
-  vLLM releases its rows; the chunk stays in vLLM's CPU tier). vLLM's own
-  ``backpressure`` option applies on top, as for any tier;
+  ``workers`` threads; at most ``max_pending_stores`` chunks wait to be stored:
+  the chunks of a store beyond that are dropped at once, the first ones kept
+  (the job is reported failed, vLLM releases its rows, the dropped chunks stay
+  in vLLM's CPU tier only). vLLM's own ``backpressure`` option applies on top,
+  as for any tier;
 - ``get_finished_jobs`` hands back what finished. A chunk that cannot be
   restored is reported failed (vLLM recomputes it) and looked up as a miss
   from then on.
@@ -139,14 +140,19 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         rows = [int(c) for c in job_metadata.chunk_ids]
         with self._idle:
-            if self._pending_stores + len(keys) > self._max_pending:
-                self.stores_dropped += len(keys)
-                log.debug("store of %d chunks dropped: %d already waiting", len(keys), self._pending_stores)
-                self._finished.put((JobResult(job_metadata.job_id, success=False), []))
-                return
+            room = max(0, self._max_pending - self._pending_stores)
+            if room < len(keys):  # keep the first chunks (the prefix's start), drop the rest
+                self.stores_dropped += len(keys) - room
+                log.debug("%d of %d chunks not stored: %d already waiting", len(keys) - room, len(keys),
+                          self._pending_stores)
+                if not room:
+                    self._finished.put((JobResult(job_id=job_metadata.job_id, success=False), []))
+                    return
+            complete = room >= len(keys)
+            keys, rows = keys[:room], rows[:room]
             self._pending_stores += len(keys)
             self._jobs += 1
-        self._pool.submit(self._store_job, job_metadata.job_id, keys, rows)
+        self._pool.submit(self._store_job, job_metadata.job_id, keys, rows, complete)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -182,8 +188,9 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self._region = np.empty((0, 0), np.uint8)
 
     # -- pool threads ---------------------------------------------------------------------
-    def _store_job(self, job_id: int, keys: list[OffloadKey], rows: list[int]) -> None:
-        start, settled, ok = time.monotonic(), 0, True
+    def _store_job(self, job_id: int, keys: list[OffloadKey], rows: list[int], complete: bool) -> None:
+        """Store the chunks; the job succeeds when all of them are stored (``complete``: none was dropped)."""
+        start, settled, ok = time.monotonic(), 0, complete
         try:
             for key, row in zip(keys, rows):
                 name = self.namer.key(key)
