@@ -295,14 +295,19 @@ def test_a_lossy_entry_never_answers_a_lossless_lookup(tmp_path, sample):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"layout": "BLNHC"}, "KV cache layout 'BLNHC' is not supported"),
-    ({"layout": "LBHNC", "head_dim": None}, "needs the model's head_dim"),
+    ({"layout": "LBHNC", "options": {"head_dim": None}}, "needs the model's head_dim"),
     ({"groups": 2}, "2 KV cache groups"),
+    ({"options": {"store": None}}, '"store" .* is required'),
+    ({"options": {"recipe": "ctxans:nosuch.kvd"}}, "nosuch"),
+    ({"options": {"workers": 0}}, "workers must be a positive integer"),
+    ({"options": {"locality": "MOON"}}, "locality must be LOCAL or REMOTE"),
 ])
 def test_layouts_it_does_not_understand_stop_startup_with_one_line(tmp_path, sample, change, message):
-    head_dim = change.pop("head_dim", 64)
+    change = dict(change)
+    options = change.pop("options", {})
     spec = make_spec(sample, f"file://{tmp_path}/store", **change)
-    if head_dim is None:
-        spec.secondary_tier_configs[0].pop("head_dim")
+    spec.secondary_tier_configs[0].update(options)
+    spec.secondary_tier_configs[0] = {k: v for k, v in spec.secondary_tier_configs[0].items() if v is not None}
     with pytest.raises(UsageError, match=message) as info:
         spec.get_manager()
     assert "\n" not in str(info.value)

@@ -32,6 +32,13 @@ def row_cache(region: np.ndarray, row: int, layout: RowLayout) -> KVCache:
     return KVCache([k for k, _ in pairs], [v for _, v in pairs], provenance={"source": "vllm-offload"})
 
 
+def check_recipe(layout: RowLayout, recipe: str) -> None:
+    """Encode one block of zeros shaped as this layout's arrays: a recipe that cannot code them fails at startup."""
+    heads, _, dim = layout.array_shape
+    zeros = np.zeros((heads, layout.block_tokens, dim), layout.dtype.numpy)
+    encode_cache(KVCache([zeros], [zeros]), recipe, chunk_tokens=layout.block_tokens, threads=1)
+
+
 def save_row(store: Store, key: str, region: np.ndarray, row: int, layout: RowLayout, recipe: str) -> bool:
     """Encode chunk ``row`` with ``recipe`` and store it under ``key``; False if it was not stored."""
     try:

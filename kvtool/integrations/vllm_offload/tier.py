@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, Secon
 
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm_offload import SUPPORTED_VLLM
-from kvtool.integrations.vllm_offload.chunks import load_row, save_row
+from kvtool.integrations.vllm_offload.chunks import check_recipe, load_row, save_row
 from kvtool.integrations.vllm_offload.rows import ChunkNamer, RowLayout
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store import Store, open_store
@@ -101,10 +101,14 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         for name, value in (("workers", workers), ("max_pending_stores", max_pending_stores)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UsageError(f"kvtool tier: {name} must be a positive integer, not {value!r}")
-        self.locality = Locality(locality) if locality is not None else None
+        try:
+            self.locality = Locality(locality) if locality is not None else None
+        except ValueError:
+            raise UsageError(f"kvtool tier: locality must be LOCAL or REMOTE, not {locality!r}") from None
         replicated = bool(getattr(offloading_spec, "replicated_layout", False))
         self.layout = RowLayout.from_config(offloading_spec.config, self.block_size_bytes, replicated, head_dim)
         self.recipe = Recipe.parse(recipe).spec()
+        check_recipe(self.layout, self.recipe)
         self.namer = ChunkNamer.from_config(offloading_spec.config, self.recipe, self.layout, model_id)
         self._region = np.asarray(primary_kv_view).view(np.uint8)
         self._offsets = self.layout.row_offsets()
