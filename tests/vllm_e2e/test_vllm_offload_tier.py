@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtool.errors import UsageError
+from kvtool.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, BLOCK, BLOCKS_PER_CHUNK = 2, 16, 2
@@ -243,6 +244,31 @@ def test_a_restarted_manager_finds_the_chunks_in_the_file_store(tmp_path, sample
         engine.close()
 
 
+def test_memory_over_redis_survives_a_restart_in_redis(sample, redis_url):
+    """A tiered store: kvtool's memory tier in the scheduler, Redis below it, shared by every server."""
+    url = f"memory://?capacity=64MiB,{redis_url}"
+    run = uuid.uuid4().hex  # keys of this run only, on a server other runs may share
+    spec = make_spec(sample, url)
+    spec.secondary_tier_configs[0]["model_id"] = run
+    engine = Engine(spec)
+    try:
+        keys, chunks = fill_and_evict(engine, sample, PRIMARY_CHUNKS)
+        engine.tier.store.flush()  # the write-behind copies: what a killed scheduler leaves in Redis
+        with open_store(redis_url) as below:
+            assert all(below.contains(engine.tier.namer.key(k)) for k in keys)
+    finally:
+        engine.close()
+    spec = make_spec(sample, url)
+    spec.secondary_tier_configs[0]["model_id"] = run
+    engine = Engine(spec)  # a new memory tier: the chunks come from Redis
+    try:
+        for key, chunk in zip(keys, chunks):
+            assert engine.lookup(key) is LookupResult.HIT
+            assert np.array_equal(engine.read(key, chunk.size), chunk)
+    finally:
+        engine.close()
+
+
 def test_a_damaged_entry_is_a_miss_never_wrong_bytes(tmp_path, sample):
     engine = Engine(make_spec(sample, f"file://{tmp_path}/store"))
     try:
@@ -299,7 +325,7 @@ def test_a_lossy_entry_never_answers_a_lossless_lookup(tmp_path, sample):
     ({"groups": 2}, "2 KV cache groups"),
     ({"options": {"store": None}}, '"store" .* is required'),
     ({"options": {"recipe": "ctxans:nosuch.kvd"}}, "nosuch"),
-    ({"options": {"workers": 0}}, "workers must be a positive integer"),
+    ({"options": {"workers": 0}}, "workers must be an integer of at least 1"),
     ({"options": {"locality": "MOON"}}, "locality must be LOCAL or REMOTE"),
 ])
 def test_layouts_it_does_not_understand_stop_startup_with_one_line(tmp_path, sample, change, message):

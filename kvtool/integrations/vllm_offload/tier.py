@@ -44,6 +44,7 @@ from kvtool.integrations.vllm_offload.chunks import check_recipe, load_row, save
 from kvtool.integrations.vllm_offload.rows import ChunkNamer, RowLayout
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store import Store, open_store
+from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -73,8 +74,9 @@ class KvtoolSecondaryTier(SecondaryTierManager):
     ``HND`` layout), ``model_id`` (the name that keys chunks, default the model
     vLLM serves), ``workers`` (threads encoding and decoding, default 2),
     ``max_pending_stores`` (chunks waiting to be stored before new stores are
-    dropped, default 64), ``locality`` (``LOCAL`` or ``REMOTE``, for vLLM's
-    tier filters).
+    dropped, default 64), ``write_behind`` (with a memory tier over a persistent
+    one, how many chunks may wait for their persistent copy; as in kvtool's
+    connector), ``locality`` (``LOCAL`` or ``REMOTE``, for vLLM's tier filters).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -90,6 +92,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         model_id: str | None = None,
         workers: int = 2,
         max_pending_stores: int = 64,
+        write_behind: int = DEFAULT_WRITE_BEHIND,
         locality: str | None = None,
         backpressure_detector: "BackpressureDetector | None" = None,
     ) -> None:
@@ -98,9 +101,10 @@ class KvtoolSecondaryTier(SecondaryTierManager):
             log.warning("kvtool tier: tested with vLLM %s, not %s", ", ".join(SUPPORTED_VLLM), vllm_version)
         if not store or not isinstance(store, str):
             raise UsageError('kvtool tier: "store" (a kvtool store URL) is required')
-        for name, value in (("workers", workers), ("max_pending_stores", max_pending_stores)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise UsageError(f"kvtool tier: {name} must be a positive integer, not {value!r}")
+        for name, value, least in (("workers", workers, 1), ("max_pending_stores", max_pending_stores, 1),
+                                   ("write_behind", write_behind, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise UsageError(f"kvtool tier: {name} must be an integer of at least {least}, not {value!r}")
         try:
             self.locality = Locality(locality) if locality is not None else None
         except ValueError:
@@ -112,7 +116,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self.namer = ChunkNamer.from_config(offloading_spec.config, self.recipe, self.layout, model_id)
         self._region = np.asarray(primary_kv_view).view(np.uint8)
         self._offsets = self.layout.row_offsets()
-        self.store = open_store(store)
+        self.store = open_store(store, write_behind=write_behind)
         self._max_pending = max_pending_stores
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
         self._idle = threading.Condition()
