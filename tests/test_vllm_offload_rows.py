@@ -7,6 +7,7 @@ vLLM's real classes are in tests/vllm_e2e/test_vllm_offload_tier.py.
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +17,7 @@ import kvtool
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm_offload.rows import ChunkNamer, RowLayout
 
+ROOT = Path(__file__).resolve().parents[1]
 HEADS, DIM, BLOCK, BLOCKS, LAYERS = 3, 64, 16, 2, 2
 PER_BLOCK = LAYERS * BLOCK * HEADS * 2 * DIM * 2  # bf16
 
@@ -42,7 +44,7 @@ def test_decoding_into_the_offsets_gives_back_the_row(order, head_dim):
     """Every stored run lands where it was read from: split (encode) and row_offsets (decode) agree."""
     layout = RowLayout.from_config(config(kv_cache_layout=order), stride(), False, head_dim)
     region = np.zeros((3, layout.row_stride), np.uint8)
-    sample = kvtool.load("samples/code.safetensors")
+    sample = kvtool.load(ROOT / "samples" / "code.safetensors")
     region[1, :layout.used_bytes] = np.concatenate([sample.keys[0].reshape(-1), sample.values[0].reshape(-1)]) \
         .view(np.uint8)[:layout.used_bytes]
     arrays = [a for pair in layout.split(region[1, :layout.used_bytes].view(layout.dtype.numpy)) for a in pair]
