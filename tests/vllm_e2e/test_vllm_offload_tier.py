@@ -1,13 +1,14 @@
 """kvtool's secondary tier under vLLM's own TieringOffloadingSpec, with vLLM's real classes and no GPU.
 
-vLLM's spec builds everything a served engine's scheduler builds: the shared
-offload region, ``CPUPrimaryTierOffloadingManager``, the tier through
-``SecondaryTierFactory`` from the JSON a user writes, ``TieringOffloadingManager``.
-The tests play the GPU worker's part (write a chunk's bytes into the primary row
-vLLM hands out, read them back from the row vLLM names on a hit) and drive the
-scheduler's calls: store, evict by storing more, look up, promote, compare.
-The chunks hold real KV (samples/code.safetensors) laid out as vLLM's CUDA
-backends page it (LBNHC: per token, each head's key then value).
+vLLM's ``OffloadingSpecFactory`` makes the spec from the JSON a user writes (by its
+``spec_name``, as vLLM's ``OffloadingConnector`` does), and the spec builds what a
+served engine's scheduler builds: the shared offload region,
+``CPUPrimaryTierOffloadingManager``, kvtool's tier through ``SecondaryTierFactory``
+(by ``type`` and ``module_path``), ``TieringOffloadingManager``. The tests play the
+GPU worker's part (write a chunk's bytes into the primary row vLLM hands out, read
+them back from the row vLLM names on a hit) and drive the scheduler's calls: store,
+evict by storing more, look up, promote, compare. The chunks hold real KV
+(samples/code.safetensors) laid out as vLLM's CUDA backends page it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtool.errors import UsageError
@@ -99,7 +101,9 @@ def make_spec(sample: kvtool.KVCache, store: str, recipe: str = "exphuff", layou
         ),
         kv_cache_layout=layout,
     )
-    return TieringOffloadingSpec(config)
+    spec = OffloadingSpecFactory.create_spec(config)  # as vLLM's OffloadingConnector does, by spec_name
+    assert isinstance(spec, TieringOffloadingSpec)
+    return spec
 
 
 class Engine:
