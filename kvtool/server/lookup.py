@@ -30,7 +30,7 @@ import xxhash
 
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
-from kvtool.store import PrefixKeyer, Store, TieredStore
+from kvtool.store import PrefixKeyer, Store
 
 SCHEMES = ("prefix", "vllm")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic hashes when PYTHONHASHSEED is unset
@@ -190,13 +190,11 @@ def _filled(value: T | None, name: str) -> T:
 
 
 def _tier_of(store: Store, key: str) -> str | None:
-    if isinstance(store, TieredStore):
-        return store.tier_of(key)
-    return store.name if store.contains(key) else None
+    return store.tier_of(key)
 
 
 def _tier_rank(store: Store, name: str) -> int:
-    return store.tier_names.index(name) if isinstance(store, TieredStore) else 0
+    return store.tier_names.index(name)
 
 
 def _cbor_hash(algo: str) -> Callable[[Any], bytes]:

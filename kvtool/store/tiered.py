@@ -58,30 +58,18 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from threading import RLock
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.base import Store, log
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, unwrap
+from kvtool.store.events import StoreEvent
 from kvtool.store.policy import LRUPolicy, Placement, Policy, TierProfile
 
 DEFAULT_WRITE_BEHIND = 64  # entries that may wait in memory for their persistent copy (the vLLM connector's)
 
-EVENT_KINDS = ("stored", "demoted", "promoted", "evicted", "failed")
 _READ_ATTEMPTS = 3  # a concurrent move can hide an entry from one read, not from three
-
-
-@dataclass(frozen=True)
-class StoreEvent:
-    """``kind`` is one of ``EVENT_KINDS``; ``tier`` is where the entry now is (or was, for evicted)."""
-
-    kind: str
-    key: str
-    tier: str | None
-    reason: str = ""
-    from_tier: str | None = None
 
 
 class TieredStore(Store):
@@ -102,9 +90,9 @@ class TieredStore(Store):
             raise UsageError("a tiered store needs at least one tier")
         if write_behind < 0:
             raise UsageError(f"write_behind is a number of entries, not {write_behind}")
-        self.tiers = list(tiers)
+        self._tiers = list(tiers)
         super().__init__(capacity=None, name=name)
-        self.tier_names = _unique_names([t.name for t in self.tiers])
+        self._tier_names = _unique_names([t.name for t in self._tiers])
         self.policy = policy or LRUPolicy()
         self.promote = promote
         self.save_on_close = save_on_close
@@ -120,9 +108,6 @@ class TieredStore(Store):
         self._claimed: set[str] = set()  # keys a write or move is working on outside the lock
         self._reserved = [0] * len(self.tiers)  # bytes promised to writes in progress, per tier
         self._leaving = [0] * len(self.tiers)  # bytes of entries being moved out, per tier
-        self._subscribers: list[Callable[[StoreEvent], None]] = []
-        self._pending: list[StoreEvent] = []
-        self._event_counts: Counter[str] = Counter()
         self._write_behind = _WriteBehind(self, write_behind) if write_behind else None
         for index, tier in enumerate(self.tiers):
             tier.on_evicted = functools.partial(self._tier_evicted, index)
@@ -134,6 +119,14 @@ class TieredStore(Store):
         return ",".join(t.describe() for t in self.tiers)
 
     @property
+    def tiers(self) -> list[Store]:
+        return self._tiers
+
+    @property
+    def tier_names(self) -> list[str]:
+        return self._tier_names
+
+    @property
     def read_only(self) -> bool:
         return self._read_only
 
@@ -141,7 +134,7 @@ class TieredStore(Store):
     def read_only(self, value: bool) -> None:
         """Read-only applies to every tier too: a damaged entry below stays where it is."""
         self._read_only = value
-        for tier in getattr(self, "tiers", ()):
+        for tier in getattr(self, "_tiers", ()):
             tier.read_only = value
 
     @property
@@ -170,7 +163,7 @@ class TieredStore(Store):
                 policy=self.policy.describe(),
                 promote=self.promote,
                 pinned=len(self._pinned),
-                events={kind: self._event_counts[kind] for kind in EVENT_KINDS},
+                events=self.events.counts(),
             )
         if self._write_behind is not None:
             data["write_behind"] = self._write_behind.stats()
@@ -273,18 +266,6 @@ class TieredStore(Store):
                 placement.last_access = time.monotonic()
         self._flush_events()
         return placement is not None
-
-    def subscribe(self, callback: Callable[[StoreEvent], None]) -> Callable[[], None]:
-        """Call ``callback(event)`` for every event; returns a function that unsubscribes it."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
 
     # --- backend hooks, in terms of the tiers ---------------------------------
 
@@ -701,36 +682,23 @@ class TieredStore(Store):
     def _shared_tiers(self) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t.shared]
 
-    def _tier_index(self, tier: str | int) -> int:
-        if isinstance(tier, int) and -len(self.tiers) <= tier < len(self.tiers):
-            return tier % len(self.tiers)
-        if isinstance(tier, str) and tier in self.tier_names:
-            return self.tier_names.index(tier)
-        raise UsageError(f"no tier {tier!r}; tiers: {', '.join(self.tier_names)} (or 0..{len(self.tiers) - 1})")
-
     def _check_key_open(self, key: str) -> None:
         check_key(key)
         self._check_open()
 
     def _event(self, kind: str, key: str, tier: int | None, reason: str = "", from_tier: int | None = None) -> None:
-        self._event_counts[kind] += 1
-        self._pending.append(StoreEvent(
+        self.events.emit(StoreEvent(
             kind, key,
             None if tier is None else self.tier_names[tier],
             reason,
             None if from_tier is None else self.tier_names[from_tier],
         ))
 
+    def _tier_event(self, kind: str, key: str, reason: str = "") -> None:
+        """A stack reports its own moves (``_event``), not the single-tier events of ``Store``."""
+
     def _flush_events(self) -> None:
-        with self._lock:
-            events, self._pending = self._pending, []
-            subscribers = list(self._subscribers)
-        for event in events:
-            for callback in subscribers:
-                try:
-                    callback(event)
-                except Exception:  # noqa: BLE001 - a subscriber's bug must not break the store
-                    log.exception("%s: event subscriber %r failed", self.name, callback)
+        self.events.deliver()
 
 
 def _unique_names(names: list[str]) -> list[str]:

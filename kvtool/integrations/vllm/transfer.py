@@ -34,7 +34,7 @@ from kvtool.errors import KvtoolError
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
-from kvtool.store import Store, TieredStore
+from kvtool.store import Store
 
 log = logging.getLogger("kvtool.vllm")
 
@@ -199,7 +199,7 @@ class Restore:
             return
         key = self._key_of(p.job.entry_id)
         try:
-            p.tier = (self._store.tier_of(key) or "") if isinstance(self._store, TieredStore) else self._store.name
+            p.tier = self._store.tier_of(key) or ""
             damaged_before = _damaged_count(self._store)
             entry = self._store.get_entry(key)
             if entry is None:
@@ -315,8 +315,7 @@ def decode_layer(
 
 def _damaged_count(store: Store) -> int:
     """Damaged records the store (and its tiers) found so far."""
-    tiers = store.tiers if isinstance(store, TieredStore) else [store]
-    return sum(tier.metrics.snapshot()["corrupt"] for tier in tiers)
+    return sum(tier.metrics.snapshot()["corrupt"] for tier in store.tiers)
 
 
 @dataclass
