@@ -191,7 +191,7 @@ def test_garbage_of_crashed_writers_is_collected_and_nothing_else(tmp_path, capl
         fcntl.flock(held, fcntl.LOCK_EX)
         assert orphan.exists() and stale.exists()  # opening changes nothing
         with caplog.at_level(logging.INFO, logger="kvtool.store"):
-            assert store.collect_garbage() == {"partial": 1, "orphans": 1, "rows": 1}
+            assert store.collect_garbage() == {"partial": 1, "orphans": 1, "rows": 1, "skipped": 0}
             assert store.get("truncated") is None  # damaged records are found when read
         assert sorted(store.keys()) == ["good"]
         assert store.get("good") == b"good value"

@@ -147,16 +147,29 @@ class TierMoves(Store):
             self._tiers[source].delete(key)
         return True
 
-    def _save_volatile(self) -> None:
-        """Move entries of tiers that die with the process down to a persistent tier with room."""
+    def _save_volatile(self) -> list[str]:
+        """Move entries of tiers that die with the process down to a persistent tier with room.
+
+        Returns the keys no persistent tier took (full, refusing or failing): they are lost with the
+        process, and each is reported (a warning naming how many, and an ``evicted`` event).
+        """
         persistent = [i for i, tier in enumerate(self._tiers) if tier.persistent]
+        lost: list[str] = []
         for placement in self._placements.snapshot():
             with self._placements.claim(placement.key):
                 if not self._placements.is_current(placement) or self._tiers[placement.tier].persistent:
                     continue
-                for index in ([placement.copy_in] if placement.copy_in is not None else []) + persistent:
-                    if index > placement.tier and self._move(placement.key, index, "saved on close"):
-                        break
+                below = [i for i in ([placement.copy_in] if placement.copy_in is not None else []) + persistent
+                         if i > placement.tier]
+                if below and not any(self._move(placement.key, index, "saved on close") for index in below):
+                    lost.append(placement.key)
+                    self._event("evicted", placement.key, placement.tier, "lost on close: no persistent tier took it")
+        if lost:
+            log.warning("%s: %d entries held only in %s were lost on close: no persistent tier took them "
+                        "(full, too small or failing); first: %s", self.name, len(lost),
+                        " and ".join(sorted({self.tier_names[i] for i, t in enumerate(self._tiers) if not t.persistent})),
+                        ", ".join(repr(k) for k in lost[:3]))
+        return lost
 
     def _remove_everywhere(self, key: str, reason: str, evicted: bool = False) -> bool:
         """Remove ``key`` from its tier, its write-behind copy and every shared tier.

@@ -48,7 +48,8 @@ from redis.retry import Retry
 from kvtool.errors import StoreUnreachableError, UsageError
 from kvtool.store.base import Store, Value, log
 from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, check_key, parse_info, wrap
-from kvtool.store.url import has_password, parse_options, positive_seconds, redact, split_query
+from kvtool.store.results import Fetched, MissCause
+from kvtool.store.url import has_password, non_negative_seconds, parse_options, positive_seconds, redact, split_query
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
@@ -142,7 +143,7 @@ class RedisStore(Store):
             "ttl": _ttl,
             "timeout": positive_seconds,
             "connect_timeout": positive_seconds,
-            "backoff": float,
+            "backoff": non_negative_seconds,
             "prefix": str,
         }
         options = parse_options(url, {**parsers, **{k: str for k in _TLS_OPTIONS}})
@@ -172,6 +173,9 @@ class RedisStore(Store):
 
     def _open_client(self, base: str, options: dict[str, Any]) -> None:
         tls = base.lower().startswith("rediss:")
+        database = base.partition("://")[2].rpartition("@")[2].partition("/")[2]  # credentials may hold a '/'
+        if not (database == "" or database.isascii() and database.isdigit()):
+            raise UsageError(f"bad redis URL {self._base!r}: the path names a database by number (redis://host:6379/0)")
         try:
             self._redis = redis.Redis.from_url(
                 base, **options, **({} if tls else {"connection_class": UnbufferedConnection})
@@ -202,8 +206,18 @@ class RedisStore(Store):
     # --- single-key hooks ---------------------------------------------------------
 
     def _read(self, key: str) -> bytes | None:
-        record = self._call("get", key, lambda: self._client.get(self._k(key)), None)
-        return None if record is None else bytes(cast(bytes, record))  # no decode_responses: replies are bytes
+        record = self._read_result(key)
+        return record if isinstance(record, bytes) else None
+
+    def _read_result(self, key: str) -> bytes | Fetched:
+        failed = object()
+        record = self._call("get", key, lambda: self._client.get(self._k(key)), failed)
+        if record is failed:
+            where = self._where(EVERYWHERE if self._is_down(EVERYWHERE) else self._scope(key))
+            return Fetched(key, None, MissCause.UNREACHABLE, f"{where} of {self._base} did not answer (see the log)")
+        if record is None:
+            return Fetched(key, None, MissCause.MISSING, "no such entry (never stored, deleted, expired or evicted)")
+        return bytes(cast(bytes, record))  # no decode_responses: replies are bytes
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         return self._call("put", info.key, lambda: bool(self._client.set(self._k(info.key), record, px=self._px)), False)

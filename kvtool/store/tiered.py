@@ -16,7 +16,11 @@ written) exist only in memory, and a killed process loses at most those; other
 processes see an entry once its copy is written. ``flush()`` waits for the
 queue. Demoting an entry that already has its copy is a delete. On ``close``
 (``save_on_close``) the queue is drained and what is left in volatile tiers moves
-down, so the next process finds it.
+down, so the next process finds it. An entry that no persistent tier takes then
+(it is full of entries it will not give up, too small, or failing) cannot be
+kept past the process: it is reported as lost, never dropped silently (one
+warning with the count, an ``evicted`` event per entry, and its key in
+``lost_on_close``).
 
 Each entry lives in one tier, apart from its write-behind copy and ``shared``
 tiers (file, Redis): other processes rely on their entries, so promoting an
@@ -100,6 +104,7 @@ class TieredStore(TierMoves):
         self._prefetch_workers = prefetch_workers
         self._executor: ThreadPoolExecutor | None = None
         self._placements = Placements(len(self._tiers))
+        self.lost_on_close: list[str] = []  # keys only a volatile tier held that no persistent tier took on close
         self._write_behind = WriteBehind(write_behind, self._persist, self.name) if write_behind else None
         for index, tier in enumerate(self._tiers):
             tier.on_evicted = functools.partial(self._tier_evicted, index)
@@ -175,7 +180,7 @@ class TieredStore(TierMoves):
             self._write_behind.close(drain=self.save_on_close and not self.read_only)
         if self.save_on_close and not self.read_only:
             with self.events.delivering():
-                self._save_volatile()
+                self.lost_on_close = self._save_volatile()
         super().close()
 
     # --- hot/cold scheduling --------------------------------------------------
