@@ -279,7 +279,7 @@ class RecordStore(ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # --- backend hooks --------------------------------------------------------

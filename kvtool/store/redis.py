@@ -71,7 +71,10 @@ class _UnbufferedValues:
     entry); replies are still parsed by hiredis.
     """
 
-    def _construct_command_packer(self, packer):
+    _buffer_cutoff: int  # redis.Connection's, which this mixin precedes
+    encoder: Any
+
+    def _construct_command_packer(self, packer: Any) -> Any:
         return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
 
 
@@ -234,7 +237,7 @@ class RedisStore(Store):
         found: dict[str, None] = {}  # ordered, and a key seen on two servers mid-migration counts once
         no_servers: list[tuple[str, Any]] = []
         for scope, client in self._call("keys", None, self._servers, no_servers, scope=EVERYWHERE):
-            def scan(client=client) -> list[str]:
+            def scan(client: Any = client) -> list[str]:
                 return [k[n:].decode("utf-8", "replace") for k in client.scan_iter(match=pattern, count=1000)]
 
             no_keys: list[str] = []
@@ -262,7 +265,7 @@ class RedisStore(Store):
         self._check_open()
         start = time.perf_counter()
 
-        def queue(pipe, batch: list[str]) -> None:
+        def queue(pipe: Any, batch: list[str]) -> None:
             pipe.mget([self._k(k) for k in batch])
 
         records = self._batched("get", keys, queue, lambda replies: [r for reply in replies for r in reply], self._read)
@@ -282,7 +285,7 @@ class RedisStore(Store):
         keys = _checked(keys)
         self._check_open()
 
-        def queue(pipe, batch: list[str]) -> None:
+        def queue(pipe: Any, batch: list[str]) -> None:
             for key in batch:
                 pipe.exists(self._k(key))
 
@@ -294,7 +297,7 @@ class RedisStore(Store):
         self._check_open()
         by_key = {entry.key: entry for entry in entries}  # the last value of a repeated key wins, as in a loop
 
-        def queue(pipe, batch: list[str]) -> None:
+        def queue(pipe: Any, batch: list[str]) -> None:
             for key in batch:
                 pipe.set(self._k(key), by_key[key].record, px=self._px)
 
@@ -330,7 +333,7 @@ class RedisStore(Store):
         for group in groups:
             indices = group.indices
 
-            def run(group=group, indices=indices) -> list:
+            def run(group: Group = group, indices: list[int] = indices) -> list:
                 pipe = group.client.pipeline(transaction=False)
                 for batch in group.batches:
                     queue(pipe, [keys[i] for i in batch])
