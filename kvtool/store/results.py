@@ -32,7 +32,3 @@ class Fetched:
     cause: MissCause | None
     detail: str = ""
 
-    @property
-    def hit(self) -> bool:
-        return self.entry is not None
-
