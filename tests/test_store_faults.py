@@ -171,3 +171,20 @@ def test_closing_a_stack_whose_file_tier_cannot_take_its_memory_entries_reports_
     assert sorted(lost) == ["big0", "big1", "big2"]
     with FileStore(tmp_path / "s") as reopened:
         assert reopened.keys() == ["small"]
+
+
+def test_a_stack_reports_the_gravest_cause_its_tiers_gave(tmp_path):
+    pytest.importorskip("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open_store(f"memory://,redis://127.0.0.1:{port}/0?connect_timeout=0.2") as store:
+        assert store.fetch("k").cause is MissCause.UNREACHABLE  # not "missing": the bottom tier did not answer
+    with open_store(f"memory://,file://{tmp_path / 's'}") as store:
+        assert store.fetch("k").cause is MissCause.MISSING
+        assert store.put("k", b"value") and store.offload("k", "file")
+        record = bytearray(store.tiers[1].read_record("k") or b"")
+        record[-1] ^= 0x01
+        assert store.tiers[1].write_record("k", bytes(record))
+        fetched = store.fetch("k")
+        assert (fetched.entry, fetched.cause) == (None, MissCause.DAMAGED) and fetched.detail

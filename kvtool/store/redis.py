@@ -42,12 +42,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kvtool.errors import StoreUnreachableError, UsageError
 from kvtool.store.base import Store, Value, log
 from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, check_key, parse_info, wrap
+from kvtool.store.redis_wire import UnbufferedConnection
 from kvtool.store.results import Fetched, MissCause
 from kvtool.store.url import has_password, non_negative_seconds, parse_options, positive_seconds, redact, split_query
 
@@ -61,25 +61,6 @@ _CONSEQUENCE = {"get": "treated as a miss", "put": "not stored", "delete": "not 
 EVERYWHERE = "*"  # the breaker scope that covers every server of a store
 
 T = TypeVar("T")
-
-
-class _UnbufferedValues:
-    """redis-py's Python packer: a value above 6 kB goes to the socket as its own buffer.
-
-    With hiredis installed redis-py packs every command with hiredis, which
-    copies each value into one new command string first (94 MB for a large
-    entry); replies are still parsed by hiredis.
-    """
-
-    _buffer_cutoff: int  # redis.Connection's, which this mixin precedes
-    encoder: Any
-
-    def _construct_command_packer(self, packer: Any) -> Any:
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-
-class UnbufferedConnection(_UnbufferedValues, redis.Connection):
-    """A plain TCP connection that sends large values without copying them (TLS copies anyway)."""
 
 
 @dataclass
