@@ -27,7 +27,11 @@ name (a ``.part``, a renamed file whose commit never happened, an old record not
 yet unlinked). ``collect_garbage`` removes them, and rows whose file is gone; it
 recognises a live writer's files by their ``flock``, which dies with the
 process. The first write of each process runs it. Opening never changes
-anything, so inspecting a store (``kvtool store ls``) is always safe.
+anything, so inspecting a store (``kvtool store ls``) is always safe. The store
+only opens regular files it owns, without blocking (``kvtool.store.owned_files``):
+a FIFO, socket, device or link where an entry's file should be is a damaged
+entry, and one named like a record or ``.part`` file is skipped by
+``collect_garbage`` and reported.
 
 A failed write (disk full, I/O error, the index busy beyond the timeout) returns
 False and leaves the key's old value in place. Capacity is enforced by each

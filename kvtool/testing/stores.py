@@ -6,7 +6,9 @@ after the test); a backend with a byte capacity of its own subclasses
 ``CAPACITY`` bytes; a backend that several processes share subclasses
 ``SharedStoreTests`` and provides ``shared_url``. The suite checks round trips,
 overwrite, empty and large values, metadata, batch calls, key checks, that a
-damaged stored value is a logged miss and never wrong bytes, capacity and LRU
+damaged stored value is a logged miss and never wrong bytes, that ``fetch`` says
+why a read missed (missing, damaged), the tier calls every store speaks (a plain
+store as a one-tier stack: pin, offload, prefetch, evict, events), capacity and LRU
 eviction, that a refused re-put keeps the old value, closed-store errors,
 JSON-safe stats, a Hypothesis state machine comparing the store with a dict, and
 several processes working on one store at once.
