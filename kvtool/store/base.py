@@ -10,8 +10,9 @@ Every store speaks tiers: a plain store is a one-tier stack, so ``tiers``,
 ``subscribe`` mean on it what they mean on a ``TieredStore`` (whose
 docstring describes them), and no caller asks which kind of store it holds.
 A plain store's backend still chooses what leaves it when it is full (its own
-least recently used order, across every process for a shared one), as a
-shared tier of a stack does: a pin stops ``evict`` and ``offload``, not that.
+least recently used order). A pin stops ``evict`` and ``offload``; the memory
+store also never evicts a pinned entry, while a shared one (file, Redis) evicts
+across every process's entries, as a shared tier of a stack does.
 """
 
 from __future__ import annotations
