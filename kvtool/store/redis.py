@@ -287,11 +287,14 @@ class RedisStore(Store):
 
         keys = list(by_key)
         stored = dict(zip(keys, (bool(ok) for ok in self._batched("put", keys, queue, list, one))))
-        for entry in entries:
-            if not stored[entry.key]:
-                self.metrics.count("put_failures")
-            elif by_key[entry.key] is entry:
-                self.metrics.stored(entry.size - entry.value_offset, entry.size)
+        with self.events.delivering():
+            for entry in entries:
+                if not stored[entry.key]:
+                    self.metrics.count("put_failures")
+                    self._tier_event("failed", entry.key, f"write to {self.name} failed")
+                elif by_key[entry.key] is entry:
+                    self.metrics.stored(entry.size - entry.value_offset, entry.size)
+                    self._tier_event("stored", entry.key)
         return [stored[entry.key] for entry in entries]
 
     def _batched(

@@ -216,6 +216,12 @@ class StoreTests:
         store.put("other", b"v")
         assert all(e.key == "k" for e in events)
 
+    def test_batch_puts_are_reported_as_events(self, store: Store):
+        events: list[StoreEvent] = []
+        store.subscribe(events.append)
+        assert store.put_many({"x": b"1", "y": b"2"}) == [True, True]
+        assert sorted((e.kind, e.key) for e in events) == [("stored", "x"), ("stored", "y")]
+
     # --- integrity ----------------------------------------------------------
 
     @pytest.mark.parametrize("damage", ["flip-value", "flip-header", "truncate", "extend", "garbage"])
