@@ -4,12 +4,13 @@ A store maps string keys to bytes values. Each value is kept wrapped in a
 record (``kvtool.store.entry``) that carries its key, small JSON metadata and a
 checksum, so every backend turns a damaged value into a miss with a logged
 reason. Backends implement four small hooks (``_read``, ``_write``,
-``_delete``, ``_keys``; ``_contains``, ``_info`` and ``_close`` where they can
-do better than the defaults); the public calls, key checks, capacity check,
-integrity check and metrics live here once.
+``_delete``, ``_keys``; ``_contains``, ``_info``, ``_close`` and ``_read_result``
+where they can do better than the defaults); the public calls, key checks,
+capacity check, integrity check, metrics and single-tier events live here once.
 
 Failures of a remote backend in the caller's path (server down, timeout) are
-misses and ``False`` from ``put``, never exceptions; mistakes a caller can fix
+misses and ``False`` from ``put``, never exceptions; ``fetch`` says which
+(``kvtool.store.results``: missing, damaged, unreachable). Mistakes a caller can fix
 (a bad key, a closed store, a write to a store opened read-only) raise
 ``kvtool.errors.UsageError``. A ``put`` that fails leaves the key's old value
 in place.
