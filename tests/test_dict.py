@@ -18,6 +18,7 @@ from kvtool.errors import DecodeError, UsageError
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import PROB_SCALE, Dictionary, DictionaryError
 from kvtool.modeldict.train import train
+from kvtool.integrations.vllm.dictionary import dictionaries_of
 from kvtool.store import dicts, open_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,7 @@ def test_a_store_keeps_a_dictionary_once_and_readers_find_it(samples, code_dict,
     with open_store(f"file://{tmp_path / 'store'}") as store:
         registry.register(code_dict)
         recipe = f"ctxans:{code_dict.id}"
-        assert dicts.publish_for(store, recipe) and dicts.publish_for(store, recipe)
+        assert dicts.publish_all(store, dictionaries_of(recipe)) and dicts.publish_all(store, dictionaries_of(recipe))
         store.put("entry/1", encode_cache(cache, recipe))
         store.put("entry/2", encode_cache(cache, recipe))
         assert sorted(store.keys()) == ["entry/1", "entry/2", dicts.key_of(code_dict.id)]
@@ -162,19 +163,19 @@ def test_a_store_keeps_a_dictionary_once_and_readers_find_it(samples, code_dict,
     with open_store(f"file://{tmp_path / 'store'}") as store:
         with pytest.raises(registry.MissingDictionaryError):
             decode_cache(store.get("entry/1"))
-        dicts.attach(store)
+        registry.attach(dicts.source(store))
         assert decode_cache(store.get("entry/2")).equal_bits(cache)
-        dicts.detach(store)
+        registry.detach(dicts.source(store))
     assert dicts.fetch(open_store("memory://"), code_dict.id) is None
 
 
 def test_a_damaged_dictionary_in_a_store_is_not_used(code_dict, isolated_registry):
     with open_store("memory://") as store:
         store.put(dicts.key_of(code_dict.id), code_dict.to_bytes()[:-3])
-        dicts.attach(store)
+        registry.attach(dicts.source(store))
         with pytest.raises(registry.MissingDictionaryError):
             registry.lookup(code_dict.id)
-        dicts.detach(store)
+        registry.detach(dicts.source(store))
 
 
 # -- the vLLM connector's dictionary ------------------------------------------------------------

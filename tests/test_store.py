@@ -47,6 +47,19 @@ class TestMemoryStore(BoundedStoreTests):
         with MemoryStore(capacity=self.CAPACITY) as store:
             yield store
 
+    def test_a_pinned_entry_is_never_evicted_to_make_room(self, capacity_store):
+        value = bytes(self.CAPACITY // 4 - 200)  # four records fill the store
+        for key in "abcd":
+            assert capacity_store.put(key, value)
+        assert capacity_store.pin("a") and capacity_store.pin("b")
+        for key in "efgh":
+            assert capacity_store.put(key, value)  # c, d, then e, f leave: never a or b
+        assert sorted(capacity_store.keys()) == ["a", "b", "g", "h"]
+        assert capacity_store.pin("g") and capacity_store.pin("h")
+        assert not capacity_store.put("i", value)  # only pinned entries could make its room
+        assert sorted(capacity_store.keys()) == ["a", "b", "g", "h"]
+        assert capacity_store.unpin("a") and capacity_store.put("i", value) and not capacity_store.contains("a")
+
 
 class TestFileStore(BoundedStoreTests, SharedStoreTests):
     @pytest.fixture
@@ -191,7 +204,7 @@ def test_garbage_of_crashed_writers_is_collected_and_nothing_else(tmp_path, capl
         fcntl.flock(held, fcntl.LOCK_EX)
         assert orphan.exists() and stale.exists()  # opening changes nothing
         with caplog.at_level(logging.INFO, logger="kvtool.store"):
-            assert store.collect_garbage() == {"partial": 1, "orphans": 1, "rows": 1}
+            assert store.collect_garbage() == {"partial": 1, "orphans": 1, "rows": 1, "skipped": 0}
             assert store.get("truncated") is None  # damaged records are found when read
         assert sorted(store.keys()) == ["good"]
         assert store.get("good") == b"good value"

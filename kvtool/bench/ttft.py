@@ -31,7 +31,7 @@ from kvtool.bench.trace import Turn
 from kvtool.cache import KVCache
 from kvtool.container import decode_cache, encode_cache
 from kvtool.recipe import DEFAULT_RECIPE
-from kvtool.store import PrefixKeyer, open_store, put_prefix
+from kvtool.store import PrefixKeyer, open_store
 from kvtool.store.base import Store
 
 RECIPES = {"none": "none", "default": DEFAULT_RECIPE, "qat": "byteplane|qat:1"}
@@ -105,7 +105,7 @@ def restore_turn(engine, store: Store, keyer: PrefixKeyer, recipe: str, turn: Tu
     encode_start = time.perf_counter()
     chunks = chunks_of(prefix, chunk_tokens, recipe)
     encode_s = time.perf_counter() - encode_start
-    put_prefix(store, keyer, turn.tokens[: turn.cached_tokens], chunks)
+    store.put_prefix(keyer, turn.tokens[: turn.cached_tokens], chunks)
     start = time.perf_counter()
     restored, timing = restore_prefix(store, keyer, turn.tokens)
     if restored is None:

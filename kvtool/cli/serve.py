@@ -13,7 +13,7 @@ import typer
 from kvtool.cli._common import Command, setup_logging
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.server.auth import DEFAULT_LISTEN, TOKEN_ENV, default_token_file, load_token
-from kvtool.store import TieredStore, open_store
+from kvtool.store import as_stack, open_store
 
 DEFAULT_MEMORY_TIER = "memory://?capacity=1GiB"
 
@@ -69,8 +69,7 @@ def serve(
     setup_logging(level, "uvicorn")
     token = load_token(token_file, create=True)
     url = store or f"{DEFAULT_MEMORY_TIER},{default_store_url()}"
-    opened = open_store(url)
-    tiered = opened if isinstance(opened, TieredStore) else TieredStore([opened])
+    tiered = as_stack(open_store(url))
     try:
         limits = Limits(max_json_bytes=max_body, max_value_bytes=max_value, rate=rate, burst=burst)
         server = ApiServer(tiered, token, listen, allow_remote=allow_remote, tls_cert=tls_cert, tls_key=tls_key,

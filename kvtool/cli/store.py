@@ -17,7 +17,7 @@ import typer
 from kvtool.cli._common import JSON_OPTION, Command, Group, existing_file, print_json, print_result, print_table
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
-from kvtool.store import Store, TieredStore, open_store
+from kvtool.store import Store, open_store
 from kvtool.store.file import default_path
 from kvtool.store.metrics import prometheus_text
 from kvtool.units import format_size
@@ -64,7 +64,7 @@ def _open_to_report(url: Optional[str]) -> Store:
     a tier that is down is an error, not an empty tier."""
     store = _open(url, read_only=True)
     try:
-        for tier in store.tiers if isinstance(store, TieredStore) else [store]:
+        for tier in store.tiers:
             tier.check_reachable()
     except BaseException:
         store.close()
@@ -140,7 +140,7 @@ def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
             info = s.info(key)
             if info is None:
                 continue
-            tier = s.tier_of(key) if isinstance(s, TieredStore) else s.name
+            tier = s.tier_of(key)
             rows.append({"key": key, "tier": tier, "bytes": info.size, "tokens": info.tokens})
     if json_out:
         print_json(rows)
@@ -203,7 +203,7 @@ def evict(
         return _api_action("evict", keys, api, token_file, json_out)
     with _open(store) as s:
         for key in keys:
-            removed = s.evict(key) if isinstance(s, TieredStore) else s.delete(key)
+            removed = s.evict(key)
             if not removed:
                 raise KvtoolError(f"no entry {key!r} in {s.describe()}")
 

@@ -30,7 +30,7 @@ import xxhash
 
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
-from kvtool.store import PrefixKeyer, Store, TieredStore
+from kvtool.store import PrefixKeyer, Store
 from kvtool.store.prefixes import EntryNamer, blocks_per_entry, find_stored_prefix, tokens_in
 
 SCHEMES = ("prefix", "vllm")
@@ -188,13 +188,11 @@ def _filled(value: T | None, name: str) -> T:
 
 
 def _tier_of(store: Store, key: str) -> str | None:
-    if isinstance(store, TieredStore):
-        return store.tier_of(key)
-    return store.name if store.contains(key) else None
+    return store.tier_of(key)
 
 
 def _tier_rank(store: Store, name: str) -> int:
-    return store.tier_names.index(name) if isinstance(store, TieredStore) else 0
+    return store.tier_names.index(name)
 
 
 def _cbor_hash(algo: str) -> Callable[[Any], bytes]:

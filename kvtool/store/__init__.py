@@ -22,9 +22,11 @@ from kvtool.errors import UsageError
 from kvtool.registry import Registry
 from kvtool.store.base import ReadOnlyStoreError, Store, StoreClosedError
 from kvtool.store.entry import Entry, EntryInfo
-from kvtool.store.keys import PrefixHit, PrefixKeyer, get_prefix, prefix_keys, put_prefix
+from kvtool.store.events import EVENT_KINDS, StoreEvent
+from kvtool.store.keys import PrefixHit, PrefixKeyer, prefix_keys
 from kvtool.store.policy import CostAwarePolicy, LRUPolicy, Policy
-from kvtool.store.tiered import StoreEvent, TieredStore
+from kvtool.store.results import Fetched, MissCause
+from kvtool.store.tiered import TieredStore
 from kvtool.store.url import redact, scheme_of, split_urls
 
 registry: Registry[Store] = Registry(
@@ -69,11 +71,20 @@ def open_store(
     store.read_only = read_only
     return store
 
+
+def as_stack(store: Store) -> TieredStore:
+    """``store`` as a ``TieredStore`` (for what needs a placement policy, the HTTP API): itself if it is one,
+    else a one-tier stack over it, which then owns it (closing the stack closes it)."""
+    return store if isinstance(store, TieredStore) else TieredStore([store])
+
 __all__ = [
+    "EVENT_KINDS",
     "CostAwarePolicy",
     "Entry",
     "EntryInfo",
+    "Fetched",
     "LRUPolicy",
+    "MissCause",
     "Policy",
     "PrefixHit",
     "PrefixKeyer",
@@ -82,9 +93,8 @@ __all__ = [
     "StoreClosedError",
     "StoreEvent",
     "TieredStore",
-    "get_prefix",
+    "as_stack",
     "open_store",
     "prefix_keys",
-    "put_prefix",
     "registry",
 ]

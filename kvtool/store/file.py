@@ -27,7 +27,11 @@ name (a ``.part``, a renamed file whose commit never happened, an old record not
 yet unlinked). ``collect_garbage`` removes them, and rows whose file is gone; it
 recognises a live writer's files by their ``flock``, which dies with the
 process. The first write of each process runs it. Opening never changes
-anything, so inspecting a store (``kvtool store ls``) is always safe.
+anything, so inspecting a store (``kvtool store ls``) is always safe. The store
+only opens regular files it owns, without blocking (``kvtool.store.owned_files``):
+a FIFO, socket, device or link where an entry's file should be is a damaged
+entry, and one named like a record or ``.part`` file is skipped by
+``collect_garbage`` and reported.
 
 A failed write (disk full, I/O error, the index busy beyond the timeout) returns
 False and leaves the key's old value in place. Capacity is enforced by each
@@ -57,54 +61,32 @@ import functools
 import hashlib
 import json
 import os
-import re
 import secrets
 import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Sequence
 from urllib.parse import unquote
 
 from kvtool.errors import UsageError
 from kvtool.fileio import fsync_dir
 from kvtool.store.base import StagedWrite, Store, log
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info
+from kvtool.store.file_index import INDEX, QUERY_BATCH, Failed, FileIndex, advance_clock, drop_coldest
+from kvtool.store import file_gc
+from kvtool.store.owned_files import read_exactly
+from kvtool.store.owned_files import unlink as _unlink
+from kvtool.store.results import Fetched, MissCause
 from kvtool.store.url import parse_options, split_query
 from kvtool.units import format_size, parse_size
 
-T = TypeVar("T")
+__all__ = ["INDEX", "FileStore", "default_path"]
 
-INDEX = "index.sqlite3"
-SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 30.0  # how long a write waits for another process's transaction
 TOUCH_FLUSH_S = 1.0  # recency of reads reaches the index at least this often
 PART_GRACE_S = 2.0  # a .part file younger than this may belong to a writer about to lock it
 _READ_ATTEMPTS = 3  # a read racing replacements of its key retries this often
-_QUERY_BATCH = 500  # keys per IN (...) query
-
-_RECORD = re.compile(r"(?P<digest>[0-9a-f]{40})-[0-9a-f]{16}\.kve")
-_PARTIAL = re.compile(r"\.[0-9a-f]{40}-[0-9a-f]{16}\.kve\.part")
-_SHARD = re.compile(r"[0-9a-f]{2}")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    key TEXT PRIMARY KEY,
-    file TEXT NOT NULL UNIQUE,   -- path under entries/
-    size INTEGER NOT NULL,       -- bytes of the record
-    raw_bytes INTEGER,           -- uncompressed KV bytes, from the metadata
-    meta TEXT NOT NULL,          -- the record's metadata, JSON
-    access INTEGER NOT NULL      -- the store's clock at the last write or read: LRU order
-);
-CREATE INDEX IF NOT EXISTS entries_by_access ON entries(access);
-CREATE TABLE IF NOT EXISTS totals (
-    id INTEGER PRIMARY KEY CHECK (id = 0),
-    entries INTEGER NOT NULL,
-    bytes INTEGER NOT NULL,
-    clock INTEGER NOT NULL
-);
-INSERT OR IGNORE INTO totals VALUES (0, 0, 0, 0);
-"""
 
 
 def default_path() -> Path:
@@ -131,10 +113,10 @@ class FileStore(Store):
             self._entries.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"cannot use {self.root} as a file store: {exc.strerror}") from None
-        self._lock = threading.Lock()  # one connection per store object, used by one thread at a time
-        self._pid = os.getpid()
-        self._db = self._connect()
+        self._lock = threading.Lock()  # guards the reads not yet recorded in the index
+        self._index = FileIndex(self.root, BUSY_TIMEOUT_S, self.name, functools.partial(self.metrics.count, "errors"))
         self._touched: dict[str, None] = {}
+        self._index.forked = self._forget_touches  # a forked child records only its own reads
         self._touch_flushed = time.monotonic()
         self._collected = False
 
@@ -152,52 +134,58 @@ class FileStore(Store):
 
     @property
     def used_bytes(self) -> int:
-        return (self._row("SELECT bytes FROM totals") or (0,))[0]
+        return (self._index.row("SELECT bytes FROM totals") or (0,))[0]
 
     def path_of(self, key: str) -> Path | None:
         """The file that holds ``key``'s record now, or None."""
         check_key(key)
-        row = self._row("SELECT file FROM entries WHERE key = ?", key)
+        row = self._index.row("SELECT file FROM entries WHERE key = ?", key)
         return None if row is None else self._entries / row[0]
 
     def stats(self) -> dict[str, Any]:
         """``compression_ratio`` is that of the entries held (with ``raw_bytes`` metadata), whoever wrote them."""
         data = super().stats()
         query = "SELECT SUM(raw_bytes), SUM(size) FROM entries WHERE raw_bytes IS NOT NULL"
-        raw, size = self._query(lambda db: db.execute(query).fetchone(), (None, None))
+        raw, size = self._index.query(lambda db: db.execute(query).fetchone(), (None, None))
         data["compression_ratio"] = raw / size if raw and size else None
         return data
 
     # --- hooks ----------------------------------------------------------------
 
     def _read(self, key: str) -> bytes | None:
+        record = self._read_result(key)
+        return record if isinstance(record, bytes) else None
+
+    def _read_result(self, key: str) -> bytes | Fetched:
         previous = None
         for _ in range(_READ_ATTEMPTS):
-            row = self._row("SELECT file, size FROM entries WHERE key = ?", key)
+            row = self._index.row_or_failed("SELECT file, size FROM entries WHERE key = ?", key)
+            if isinstance(row, Failed):
+                return Fetched(key, None, MissCause.UNREACHABLE, f"the index of {self.root} cannot be read")
             if row is None:
-                return None
+                return Fetched(key, None, MissCause.MISSING, "no such entry")
             name, size = row
             try:
-                record = _read_exactly(self._entries / name, size)
-            except CorruptEntryError as exc:
+                record = read_exactly(self._entries / name, size)
+            except CorruptEntryError as exc:  # NotRegularFile too: a FIFO or device is never read
                 self._drop_corrupt(key, exc)
-                return None
+                return Fetched(key, None, MissCause.DAMAGED, str(exc))
             except FileNotFoundError:
                 if name == previous:  # not replaced meanwhile: the file is gone for good
                     log.warning("%s: the file of entry %r vanished; treated as a miss", self.name, key)
                     if not self.read_only:
                         self._delete(key)
-                    return None
+                    return Fetched(key, None, MissCause.MISSING, "its file vanished")
                 previous = name  # replaced or evicted since the lookup: look again
                 continue
             except OSError as exc:
                 log.warning("%s: cannot read entry %r (%s); treated as a miss", self.name, key, exc)
                 self.metrics.count("errors")
-                return None
+                return Fetched(key, None, MissCause.UNREACHABLE, f"cannot read its file: {exc.strerror or exc}")
             if not self.read_only:
                 self._touch(key)
             return record
-        return None
+        return Fetched(key, None, MissCause.MISSING, "replaced or evicted while it was read")
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         staged = self._stage_record(info, record)
@@ -217,90 +205,56 @@ class FileStore(Store):
                 db.execute("UPDATE totals SET entries = entries - 1, bytes = bytes - ?", (row[1],))
             return None if row is None else row[0]
 
-        name = self._transaction(remove, None)
+        name = self._index.transaction(remove, None)
         if name is not None:
             _unlink(self._entries / name)
         return name is not None
 
     def _contains(self, key: str) -> bool:
-        return self._row("SELECT 1 FROM entries WHERE key = ?", key) is not None
+        return self._index.row("SELECT 1 FROM entries WHERE key = ?", key) is not None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         for key in keys:
             check_key(key)
         self._check_open()
         found: set[str] = set()
-        for start in range(0, len(keys), _QUERY_BATCH):
-            batch = list(keys[start:start + _QUERY_BATCH])
+        for start in range(0, len(keys), QUERY_BATCH):
+            batch = list(keys[start:start + QUERY_BATCH])
             marks = ",".join("?" * len(batch))
             query = f"SELECT key FROM entries WHERE key IN ({marks})"
             none: list[tuple[str]] = []
-            found.update(row[0] for row in self._query(functools.partial(_fetch_all, query=query, params=batch), none))
+            found.update(row[0] for row in self._index.query(functools.partial(_fetch_all, query=query, params=batch), none))
         return [key in found for key in keys]
 
     def _keys(self) -> list[str]:
         """Least recently used first."""
-        return self._query(lambda db: [row[0] for row in db.execute("SELECT key FROM entries ORDER BY access")], [])
+        return self._index.query(lambda db: [row[0] for row in db.execute("SELECT key FROM entries ORDER BY access")], [])
 
     def _count(self) -> int:
-        return (self._row("SELECT entries FROM totals") or (0,))[0]
+        return (self._index.row("SELECT entries FROM totals") or (0,))[0]
 
     def _info(self, key: str) -> EntryInfo | None:
-        row = self._row("SELECT size, meta FROM entries WHERE key = ?", key)
+        row = self._index.row("SELECT size, meta FROM entries WHERE key = ?", key)
         return None if row is None else EntryInfo(key, row[0], json.loads(row[1]))
 
     def _close(self) -> None:
         if not self.read_only:
             with contextlib.suppress(sqlite3.Error):
                 self._flush_touches()
-        with self._lock:
-            if self._pid == os.getpid():
-                self._db.close()
+        self._index.close()
 
     # --- garbage ----------------------------------------------------------------
 
     def collect_garbage(self) -> dict[str, int]:
         """Remove what crashed writers left: unnamed files, and index rows whose file is gone.
 
-        Safe while other processes use the store: a file still locked by its
-        writer, or younger than ``PART_GRACE_S``, is left alone. Returns counts
-        of what was removed.
+        Safe while other processes use the store (``kvtool.store.file_gc``). Returns counts of what was
+        removed (``partial``, ``orphans``, ``rows``) and of special files skipped (``skipped``).
         """
         self._check_writable()
-        removed = {"partial": 0, "orphans": 0, "rows": 0}
-        present: set[str] = set()
-        for shard in self._shards():
-            for path in _listdir(shard):
-                name = f"{shard.name}/{path.name}"
-                if _PARTIAL.fullmatch(path.name):
-                    if _abandoned(path, PART_GRACE_S):
-                        log.info("%s: removing an interrupted write %s", self.name, name)
-                        removed["partial"] += _unlink(path)
-                elif _RECORD.fullmatch(path.name):
-                    present.add(name)
-        referenced: set[str] = set(self._query(lambda db: [r[0] for r in db.execute("SELECT file FROM entries")], []))
-        for name in present - referenced:
-            # A writer holds its file's lock until its commit is done, so the index is asked after the lock
-            # was free: a file that is then still unnamed is garbage.
-            abandoned = _abandoned(self._entries / name, 0.0)
-            if abandoned and self._row("SELECT 1 FROM entries WHERE file = ?", name) is None:
-                log.info("%s: removing %s, which no index entry names", self.name, name)
-                removed["orphans"] += _unlink(self._entries / name)
-        for name in referenced - present:
-            removed["rows"] += self._transaction(functools.partial(self._drop_missing, name=name), 0)
+        removed = file_gc.collect(self._entries, self._index, self.name, PART_GRACE_S)
         self._collected = True
         return removed
-
-    def _drop_missing(self, db: sqlite3.Connection, name: str) -> int:
-        if (self._entries / name).exists():  # published after the directory was listed
-            return 0
-        row = db.execute("SELECT key, size FROM entries WHERE file = ?", (name,)).fetchone()
-        if row is None:
-            return 0
-        log.warning("%s: the file of entry %r is gone; dropping it from the index", self.name, row[0])
-        db.execute("DELETE FROM entries WHERE file = ?", (name,))
-        db.execute("UPDATE totals SET entries = entries - 1, bytes = bytes - ?", (row[1],))
-        return 1
 
     # --- writing ------------------------------------------------------------------
 
@@ -343,24 +297,12 @@ class FileStore(Store):
 
         def publish(db: sqlite3.Connection) -> tuple[list[str], list[str], int]:
             self._write_touches(db)
-            clock = self._advance_clock(db)
+            clock = advance_clock(db)
             old = db.execute("SELECT file, size FROM entries WHERE key = ?", (staged.key,)).fetchone()
             entries, used = db.execute("SELECT entries, bytes FROM totals").fetchone()
             if old is not None:
                 entries, used = entries - 1, used - old[1]
-            victims, names, freed = [], [], 0
-            if self.capacity is not None and used + staged.size > self.capacity:
-                rows = db.execute("SELECT key, file, size FROM entries WHERE key != ? ORDER BY access", (staged.key,))
-                for key, name, size in rows:
-                    if used - freed + staged.size <= self.capacity:
-                        break
-                    victims.append(key)
-                    names.append(name)
-                    freed += size
-                rows.close()
-                for start in range(0, len(victims), _QUERY_BATCH):
-                    batch = victims[start:start + _QUERY_BATCH]
-                    db.execute(f"DELETE FROM entries WHERE key IN ({','.join('?' * len(batch))})", batch)
+            victims, names, freed = drop_coldest(db, staged.key, used + staged.size, self.capacity)
             db.execute(
                 "INSERT OR REPLACE INTO entries (key, file, size, raw_bytes, meta, access) VALUES (?, ?, ?, ?, ?, ?)",
                 (staged.key, staged.name, staged.size, raw, json.dumps(staged.meta, sort_keys=True), clock),
@@ -369,7 +311,7 @@ class FileStore(Store):
                        (entries - len(victims) + 1, used - freed + staged.size))
             return victims, names + ([old[0]] if old is not None else []), freed
 
-        result = self._transaction(publish, None)
+        result = self._index.transaction(publish, None)
         if result is None:
             log.warning("%s: cannot index entry %r; not stored, any old value kept", self.name, staged.key)
             _unlink(self._entries / staged.name)
@@ -391,86 +333,20 @@ class FileStore(Store):
         if due:
             self._flush_touches()
 
+    def _forget_touches(self) -> None:
+        self._touched = {}
+
     def _flush_touches(self) -> None:
-        self._transaction(self._write_touches, None)
+        self._index.transaction(self._write_touches, None)
 
     def _write_touches(self, db: sqlite3.Connection) -> None:
         """Make the keys read since the last flush the most recent entries, in the order they were read."""
         touched, self._touched = list(self._touched), {}
         self._touch_flushed = time.monotonic()
         if touched:
-            first = self._advance_clock(db, len(touched)) - len(touched) + 1
+            first = advance_clock(db, len(touched)) - len(touched) + 1
             db.executemany("UPDATE entries SET access = ? WHERE key = ?",
                            [(first + i, key) for i, key in enumerate(touched)])
-
-    @staticmethod
-    def _advance_clock(db: sqlite3.Connection, ticks: int = 1) -> int:
-        """Advance the store's clock by ``ticks``; its new value."""
-        return db.execute("UPDATE totals SET clock = clock + ? RETURNING clock", (ticks,)).fetchone()[0]
-
-    # --- the index connection -----------------------------------------------------
-
-    def _connect(self) -> sqlite3.Connection:
-        path = self.root / INDEX
-        try:
-            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-            if db.execute("PRAGMA user_version").fetchone()[0] > SCHEMA_VERSION:
-                db.close()
-                raise UsageError(f"file store {self.root} was made by a newer kvtool (index version too new)")
-            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = NORMAL")
-            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
-        except sqlite3.Error as exc:
-            raise UsageError(f"cannot open the index of file store {self.root}: {exc}") from None
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o600)
-        return db
-
-    def _connection(self) -> sqlite3.Connection:
-        """The index connection; a forked child opens its own (SQLite connections must not cross a fork)."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._db = self._connect()
-            self._touched = {}
-        return self._db
-
-    def _row(self, query: str, *params: Any) -> tuple | None:
-        """The first row of a query; None if there is none or the index cannot be read (logged)."""
-        return self._query(lambda db: db.execute(query, params).fetchone(), None)
-
-    def _query(self, fn: Callable[[sqlite3.Connection], T], on_failure: T) -> T:
-        with self._lock:
-            try:
-                return fn(self._connection())
-            except sqlite3.Error as exc:
-                log.warning("%s: index query failed (%s)", self.name, exc)
-                self.metrics.count("errors")
-                return on_failure
-
-    def _transaction(self, fn: Callable[[sqlite3.Connection], T], on_failure: T) -> T:
-        """Run ``fn`` in one write transaction (other writers wait up to ``BUSY_TIMEOUT_S``)."""
-        with self._lock:
-            db = self._connection()
-            try:
-                db.execute("BEGIN IMMEDIATE")
-                try:
-                    result = fn(db)
-                    db.execute("COMMIT")
-                    return result
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as exc:
-                log.warning("%s: index update failed (%s)", self.name, exc)
-                self.metrics.count("errors")
-                return on_failure
-
-    def _shards(self) -> Iterator[Path]:
-        for shard in _listdir(self._entries):
-            if _SHARD.fullmatch(shard.name) and shard.is_dir():
-                yield shard
 
 
 class _Staged:
@@ -497,45 +373,3 @@ class _Staged:
 
 def _fetch_all(db: sqlite3.Connection, query: str, params: list[str]) -> list[tuple[str]]:
     return db.execute(query, params).fetchall()
-
-
-def _read_exactly(path: Path, size: int) -> bytes:
-    """The file's bytes, if it holds exactly the ``size`` the index recorded (checked before reading)."""
-    with open(path, "rb") as f:
-        actual = os.fstat(f.fileno()).st_size
-        if actual != size:
-            raise CorruptEntryError(f"length mismatch: the file has {actual} bytes, the index says {size}")
-        return f.read()
-
-
-def _abandoned(path: Path, grace_s: float) -> bool:
-    """True if no process holds ``path``'s write lock and it is older than ``grace_s``."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        if time.time() - os.fstat(fd).st_mtime < grace_s:
-            return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # also releases the lock just taken
-
-
-def _listdir(directory: Path) -> list[Path]:
-    try:
-        return list(directory.iterdir())
-    except OSError:
-        return []
-
-
-def _unlink(path: Path) -> int:
-    try:
-        path.unlink()
-        return 1
-    except FileNotFoundError:
-        return 0
-

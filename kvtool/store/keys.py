@@ -10,7 +10,8 @@ with ``H`` BLAKE2b-256 over length-prefixed fields and tokens as little-endian
 u32. A chunk's key thus names the whole prefix up to its end, so two prompts
 that share a prefix share the entries for it, and the longest cached prefix is
 found by walking the chunk keys until the first miss (one entry per chunk, as
-LMCache and vLLM's block hashes do). The model, recipe and tenant salt are
+LMCache and vLLM's block hashes do; ``Store.put_prefix`` and
+``Store.get_prefix`` store and find them). The model, recipe and tenant salt are
 inside every key: caches of another model, another encoding or another tenant
 can never be hit, whatever their tokens.
 
@@ -25,14 +26,12 @@ import hashlib
 import operator
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvtool.errors import UsageError
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from kvtool.store.base import Store, Value
 
 _PERSON = b"kvtool/prefix/1"
 
@@ -92,45 +91,6 @@ class PrefixHit:
     values: list[bytes]
     tokens: int
     keys: list[str]
-
-
-def put_prefix(
-    store: "Store",
-    keyer: PrefixKeyer,
-    tokens: Sequence[int] | np.ndarray,
-    chunks: Sequence["Value"],
-    meta: Mapping[str, Any] | None = None,
-) -> int:
-    """Store ``chunks[i]`` (the cache of chunk ``i`` of ``tokens``); return how many were stored.
-
-    ``chunks`` may cover only the first chunks of ``tokens``. Each entry's
-    metadata gets ``tokens`` (its chunk's length) and ``prefix_tokens`` (where
-    the chunk ends). Storing stops at the first chunk the store refuses, since
-    later chunks could not be reached without it.
-    """
-    keys = keyer.keys(tokens)
-    if len(chunks) > len(keys):
-        raise UsageError(f"{len(chunks)} chunks given for {len(keys)} chunks of tokens")
-    end = 0
-    for stored, (key, chunk, length) in enumerate(zip(keys, chunks, keyer.chunk_lengths(len(tokens)))):
-        end += length
-        if not store.put(key, chunk, {**(meta or {}), "tokens": length, "prefix_tokens": end}):
-            return stored
-    return len(chunks)
-
-
-def get_prefix(store: "Store", keyer: PrefixKeyer, tokens: Sequence[int] | np.ndarray) -> PrefixHit:
-    """The values of the longest run of cached chunks from the start of ``tokens``."""
-    keys = keyer.keys(tokens)
-    present = store.contains_many(keys)
-    run = present.index(False) if False in present else len(keys)
-    values: list[bytes] = []
-    for value in store.get_many(keys[:run]):
-        if value is None:  # lost between the lookup and the read
-            break
-        values.append(value)
-    covered = sum(keyer.chunk_lengths(len(tokens))[:len(values)])
-    return PrefixHit(values, covered, keys[:len(values)])
 
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:

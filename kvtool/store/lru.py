@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Container
 
 
 class LruSizes:
@@ -38,23 +39,27 @@ class LruSizes:
         """Whether ``size`` bytes under ``key`` (replacing its old size) fit without dropping anything."""
         return self.capacity is None or self.used - self._sizes.get(key, 0) + size <= self.capacity
 
-    def admit(self, key: str, size: int) -> list[str]:
+    def admit(self, key: str, size: int, keep: Container[str] = ()) -> list[str] | None:
         """Record ``key`` as the most recent entry; return the coldest keys dropped to stay in capacity.
 
-        The caller has checked that ``size`` alone fits the capacity.
+        Keys in ``keep`` (pinned) are never dropped: when the entry fits only by
+        dropping one of them, nothing changes and None is returned. The caller
+        has checked that ``size`` alone fits the capacity.
         """
+        victims: list[str] = []
+        if self.capacity is not None:
+            used = self.used - self._sizes.get(key, 0)
+            for candidate, held in self._sizes.items():  # coldest first
+                if used + size <= self.capacity:
+                    break
+                if candidate != key and candidate not in keep:
+                    victims.append(candidate)
+                    used -= held
+            if used + size > self.capacity:
+                return None
         self.remove(key)
-        victims = self.shrink(to=None if self.capacity is None else self.capacity - size)
+        for victim in victims:
+            self.remove(victim)
         self._sizes[key] = size
         self.used += size
-        return victims
-
-    def shrink(self, to: int | None = None) -> list[str]:
-        """Drop coldest keys until at most ``to`` (default: the capacity) bytes are used."""
-        limit = self.capacity if to is None else to
-        victims = []
-        while limit is not None and self.used > limit and self._sizes:
-            key, size = self._sizes.popitem(last=False)
-            self.used -= size
-            victims.append(key)
         return victims

@@ -1,4 +1,7 @@
-"""The memory tier: records in this process's memory, least recently used evicted first (on its own)."""
+"""The memory tier: records in this process's memory, least recently used evicted first (on its own).
+
+A pinned entry (``Store.pin``) is never evicted to make room: a write that would need its room is refused.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +54,10 @@ class MemoryStore(Store):
         with self._lock:
             if not self.evicts_by_itself and not self._lru.fits(info.key, len(record)):
                 return False
-            victims = self._lru.admit(info.key, len(record))
+            with self._pin_lock:  # a pinned entry stays: a write that fits only without it is refused
+                victims = self._lru.admit(info.key, len(record), keep=self._pinned)
+            if victims is None:
+                return False
             freed = sum(len(self._records.pop(victim)) for victim in victims)
             self._records[info.key] = record
         self._evicted(victims, freed)

@@ -139,7 +139,7 @@ def prometheus_text(stats: dict[str, Any]) -> bytes:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     class _Collector:
-        def collect(self):
+        def collect(self) -> Iterator[Any]:
             families: dict[str, Any] = {}
             for metric, tier, value in tier_samples(stats):
                 family = families.get(metric.name)
@@ -149,10 +149,10 @@ def prometheus_text(stats: dict[str, Any]) -> bytes:
                 family.add_metric([tier], value)
             yield from families.values()
             histogram = HistogramMetricFamily(GET_SECONDS.name, GET_SECONDS.help, labels=["tier"])
-            for tier in tiers_of(stats):
-                h = tier.get(GET_SECONDS.stat)
+            for tier_stats in tiers_of(stats):
+                h = tier_stats.get(GET_SECONDS.stat)
                 if h:
-                    histogram.add_metric([tier["tier"]], _cumulative(h), h["sum"])
+                    histogram.add_metric([tier_stats["tier"]], _cumulative(h), h["sum"])
             yield histogram
 
     registry = CollectorRegistry(auto_describe=False)

@@ -42,13 +42,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kvtool.errors import StoreUnreachableError, UsageError
 from kvtool.store.base import Store, Value, log
 from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, check_key, parse_info, wrap
-from kvtool.store.url import has_password, parse_options, positive_seconds, redact, split_query
+from kvtool.store.redis_wire import UnbufferedConnection
+from kvtool.store.results import Fetched, MissCause
+from kvtool.store.url import has_password, non_negative_seconds, parse_options, positive_seconds, redact, split_query
 
 PASSWORD_ENV = "KVTOOL_REDIS_PASSWORD"
 DEFAULT_PREFIX = "kvtool:"
@@ -60,22 +61,6 @@ _CONSEQUENCE = {"get": "treated as a miss", "put": "not stored", "delete": "not 
 EVERYWHERE = "*"  # the breaker scope that covers every server of a store
 
 T = TypeVar("T")
-
-
-class _UnbufferedValues:
-    """redis-py's Python packer: a value above 6 kB goes to the socket as its own buffer.
-
-    With hiredis installed redis-py packs every command with hiredis, which
-    copies each value into one new command string first (94 MB for a large
-    entry); replies are still parsed by hiredis.
-    """
-
-    def _construct_command_packer(self, packer):
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-
-class UnbufferedConnection(_UnbufferedValues, redis.Connection):
-    """A plain TCP connection that sends large values without copying them (TLS copies anyway)."""
 
 
 @dataclass
@@ -142,7 +127,7 @@ class RedisStore(Store):
             "ttl": _ttl,
             "timeout": positive_seconds,
             "connect_timeout": positive_seconds,
-            "backoff": float,
+            "backoff": non_negative_seconds,
             "prefix": str,
         }
         options = parse_options(url, {**parsers, **{k: str for k in _TLS_OPTIONS}})
@@ -172,6 +157,9 @@ class RedisStore(Store):
 
     def _open_client(self, base: str, options: dict[str, Any]) -> None:
         tls = base.lower().startswith("rediss:")
+        database = base.partition("://")[2].rpartition("@")[2].partition("/")[2]  # credentials may hold a '/'
+        if not (database == "" or database.isascii() and database.isdigit()):
+            raise UsageError(f"bad redis URL {self._base!r}: the path names a database by number (redis://host:6379/0)")
         try:
             self._redis = redis.Redis.from_url(
                 base, **options, **({} if tls else {"connection_class": UnbufferedConnection})
@@ -202,8 +190,18 @@ class RedisStore(Store):
     # --- single-key hooks ---------------------------------------------------------
 
     def _read(self, key: str) -> bytes | None:
-        record = self._call("get", key, lambda: self._client.get(self._k(key)), None)
-        return None if record is None else bytes(cast(bytes, record))  # no decode_responses: replies are bytes
+        record = self._read_result(key)
+        return record if isinstance(record, bytes) else None
+
+    def _read_result(self, key: str) -> bytes | Fetched:
+        failed = object()
+        record = self._call("get", key, lambda: self._client.get(self._k(key)), failed)
+        if record is failed:
+            where = self._where(EVERYWHERE if self._is_down(EVERYWHERE) else self._scope(key))
+            return Fetched(key, None, MissCause.UNREACHABLE, f"{where} of {self._base} did not answer (see the log)")
+        if record is None:
+            return Fetched(key, None, MissCause.MISSING, "no such entry (never stored, deleted, expired or evicted)")
+        return bytes(cast(bytes, record))  # no decode_responses: replies are bytes
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
         return self._call("put", info.key, lambda: bool(self._client.set(self._k(info.key), record, px=self._px)), False)
@@ -220,7 +218,7 @@ class RedisStore(Store):
         found: dict[str, None] = {}  # ordered, and a key seen on two servers mid-migration counts once
         no_servers: list[tuple[str, Any]] = []
         for scope, client in self._call("keys", None, self._servers, no_servers, scope=EVERYWHERE):
-            def scan(client=client) -> list[str]:
+            def scan(client: Any = client) -> list[str]:
                 return [k[n:].decode("utf-8", "replace") for k in client.scan_iter(match=pattern, count=1000)]
 
             no_keys: list[str] = []
@@ -248,7 +246,7 @@ class RedisStore(Store):
         self._check_open()
         start = time.perf_counter()
 
-        def queue(pipe, batch: list[str]) -> None:
+        def queue(pipe: Any, batch: list[str]) -> None:
             pipe.mget([self._k(k) for k in batch])
 
         records = self._batched("get", keys, queue, lambda replies: [r for reply in replies for r in reply], self._read)
@@ -268,7 +266,7 @@ class RedisStore(Store):
         keys = _checked(keys)
         self._check_open()
 
-        def queue(pipe, batch: list[str]) -> None:
+        def queue(pipe: Any, batch: list[str]) -> None:
             for key in batch:
                 pipe.exists(self._k(key))
 
@@ -280,7 +278,7 @@ class RedisStore(Store):
         self._check_open()
         by_key = {entry.key: entry for entry in entries}  # the last value of a repeated key wins, as in a loop
 
-        def queue(pipe, batch: list[str]) -> None:
+        def queue(pipe: Any, batch: list[str]) -> None:
             for key in batch:
                 pipe.set(self._k(key), by_key[key].record, px=self._px)
 
@@ -289,11 +287,14 @@ class RedisStore(Store):
 
         keys = list(by_key)
         stored = dict(zip(keys, (bool(ok) for ok in self._batched("put", keys, queue, list, one))))
-        for entry in entries:
-            if not stored[entry.key]:
-                self.metrics.count("put_failures")
-            elif by_key[entry.key] is entry:
-                self.metrics.stored(entry.size - entry.value_offset, entry.size)
+        with self.events.delivering():
+            for entry in entries:
+                if not stored[entry.key]:
+                    self.metrics.count("put_failures")
+                    self._tier_event("failed", entry.key, f"write to {self.name} failed")
+                elif by_key[entry.key] is entry:
+                    self.metrics.stored(entry.size - entry.value_offset, entry.size)
+                    self._tier_event("stored", entry.key)
         return [stored[entry.key] for entry in entries]
 
     def _batched(
@@ -316,7 +317,7 @@ class RedisStore(Store):
         for group in groups:
             indices = group.indices
 
-            def run(group=group, indices=indices) -> list:
+            def run(group: Group = group, indices: list[int] = indices) -> list:
                 pipe = group.client.pipeline(transaction=False)
                 for batch in group.batches:
                     queue(pipe, [keys[i] for i in batch])

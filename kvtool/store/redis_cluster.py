@@ -30,7 +30,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, RedisClusterException, TryAgainError
 
 from kvtool.errors import UsageError
-from kvtool.store.redis import EVERYWHERE, Group, RedisStore, UnbufferedConnection
+from kvtool.store.redis import EVERYWHERE, Group, RedisStore
+from kvtool.store.redis_wire import UnbufferedConnection
 
 DEFAULT_PORT = 6379
 

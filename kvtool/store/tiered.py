@@ -16,7 +16,11 @@ written) exist only in memory, and a killed process loses at most those; other
 processes see an entry once its copy is written. ``flush()`` waits for the
 queue. Demoting an entry that already has its copy is a delete. On ``close``
 (``save_on_close``) the queue is drained and what is left in volatile tiers moves
-down, so the next process finds it.
+down, so the next process finds it. An entry that no persistent tier takes then
+(it is full of entries it will not give up, too small, or failing) cannot be
+kept past the process: it is reported as lost, never dropped silently (one
+warning with the count, an ``evicted`` event per entry, and its key in
+``lost_on_close``).
 
 Each entry lives in one tier, apart from its write-behind copy and ``shared``
 tiers (file, Redis): other processes rely on their entries, so promoting an
@@ -33,8 +37,9 @@ thread pool; returns futures), ``pin``/``unpin``, ``evict``, ``touch``,
 callbacks run in the thread that caused the event, after the store's lock is
 released, so a callback may call the store.
 
-Thread-safe, and no tier I/O happens under the store's lock: the lock guards
-only the index. A write or move claims its key and reserves room in the tier it
+Thread-safe, and no tier I/O happens under a lock: ``Placements``
+(``kvtool.store.placements``) keeps the index, pins, claims and reservations
+under its own lock, and events are delivered after it is released. A write or move claims its key and reserves room in the tier it
 goes to (choosing and claiming the entries that must leave first) under the
 lock, copies outside it, and commits the new placement under it again; the
 source copy is deleted after the commit. So a slow tier (a disk, Redis) being
@@ -51,40 +56,25 @@ themselves, since other processes' entries compete for their room.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import queue
-import threading
 import time
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from threading import RLock
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 from kvtool.errors import UsageError
 from kvtool.store.base import Store, log
-from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, unwrap
-from kvtool.store.policy import LRUPolicy, Placement, Policy, TierProfile
+from kvtool.store.entry import Entry, EntryInfo, check_key
+from kvtool.store.moves import TierMoves, delivering_events, unique_names
+from kvtool.store.placements import Placements
+from kvtool.store.policy import LRUPolicy, Policy, TierProfile
+from kvtool.store.results import Fetched, MissCause
+from kvtool.store.writebehind import WriteBehind
 
 DEFAULT_WRITE_BEHIND = 64  # entries that may wait in memory for their persistent copy (the vLLM connector's)
 
-EVENT_KINDS = ("stored", "demoted", "promoted", "evicted", "failed")
 _READ_ATTEMPTS = 3  # a concurrent move can hide an entry from one read, not from three
 
-
-@dataclass(frozen=True)
-class StoreEvent:
-    """``kind`` is one of ``EVENT_KINDS``; ``tier`` is where the entry now is (or was, for evicted)."""
-
-    kind: str
-    key: str
-    tier: str | None
-    reason: str = ""
-    from_tier: str | None = None
-
-
-class TieredStore(Store):
+class TieredStore(TierMoves):
     scheme = "tiered"
 
     def __init__(
@@ -102,36 +92,28 @@ class TieredStore(Store):
             raise UsageError("a tiered store needs at least one tier")
         if write_behind < 0:
             raise UsageError(f"write_behind is a number of entries, not {write_behind}")
-        self.tiers = list(tiers)
+        self._tiers = list(tiers)
         super().__init__(capacity=None, name=name)
-        self.tier_names = _unique_names([t.name for t in self.tiers])
+        self._tier_names = unique_names([t.name for t in self._tiers])
         self.policy = policy or LRUPolicy()
         self.promote = promote
         self.save_on_close = save_on_close
-        self.persistent = any(t.persistent for t in self.tiers)
-        self.shared = any(t.shared for t in self.tiers)
-        self.profiles = [TierProfile(t.typical_latency_s, t.typical_bandwidth) for t in self.tiers]
+        self.persistent = any(t.persistent for t in self._tiers)
+        self.shared = any(t.shared for t in self._tiers)
+        self.profiles = [TierProfile(t.typical_latency_s, t.typical_bandwidth) for t in self._tiers]
         self._prefetch_workers = prefetch_workers
         self._executor: ThreadPoolExecutor | None = None
-        self._lock = RLock()
-        self._released = threading.Condition(self._lock)  # notified when a key's claim ends
-        self._placed: dict[str, Placement] = {}
-        self._pinned: set[str] = set()
-        self._claimed: set[str] = set()  # keys a write or move is working on outside the lock
-        self._reserved = [0] * len(self.tiers)  # bytes promised to writes in progress, per tier
-        self._leaving = [0] * len(self.tiers)  # bytes of entries being moved out, per tier
-        self._subscribers: list[Callable[[StoreEvent], None]] = []
-        self._pending: list[StoreEvent] = []
-        self._event_counts: Counter[str] = Counter()
-        self._write_behind = _WriteBehind(self, write_behind) if write_behind else None
-        for index, tier in enumerate(self.tiers):
+        self._placements = Placements(len(self._tiers))
+        self.lost_on_close: list[str] = []  # keys only a volatile tier held that no persistent tier took on close
+        self._write_behind = WriteBehind(write_behind, self._persist, self.name) if write_behind else None
+        for index, tier in enumerate(self._tiers):
             tier.on_evicted = functools.partial(self._tier_evicted, index)
             if not tier.shared:
                 tier.evicts_by_itself = False  # the policy chooses what leaves it
         self._index_tiers()
 
     def describe(self) -> str:
-        return ",".join(t.describe() for t in self.tiers)
+        return ",".join(t.describe() for t in self._tiers)
 
     @property
     def read_only(self) -> bool:
@@ -141,42 +123,45 @@ class TieredStore(Store):
     def read_only(self, value: bool) -> None:
         """Read-only applies to every tier too: a damaged entry below stays where it is."""
         self._read_only = value
-        for tier in getattr(self, "tiers", ()):
+        for tier in getattr(self, "_tiers", ()):
             tier.read_only = value
 
     @property
     def used_bytes(self) -> int:
-        return sum(t.used_bytes or 0 for t in self.tiers)
+        return sum(t.used_bytes or 0 for t in self._tiers)
 
     # --- the Store interface --------------------------------------------------
 
-    def get_entry(self, key: str) -> Entry | None:
+    @delivering_events
+    def fetch(self, key: str) -> Fetched:
+        """The entry from whichever tier holds it (promoted to the top if ``promote``), or why none could."""
         check_key(key)
         self._check_open()
         start = time.perf_counter()
-        entry = self._fetch(key, to_top=self.promote and not self.read_only, reason="hit")
-        if entry is None:
+        fetched = self._fetch(key, to_top=self.promote and not self.read_only, reason="hit")
+        if fetched.entry is None:
             self.metrics.miss(time.perf_counter() - start)
         else:
-            self.metrics.hit(time.perf_counter() - start, entry.size)
-        self._flush_events()
-        return entry
+            self.metrics.hit(time.perf_counter() - start, fetched.entry.size)
+        return fetched
+
+    def get_entry(self, key: str) -> Entry | None:
+        return self.fetch(key).entry
 
     def stats(self) -> dict[str, Any]:
         data = super().stats()
-        with self._lock:
-            indexed = Counter(p.tier for p in self._placed.values())
-            data.update(
-                policy=self.policy.describe(),
-                promote=self.promote,
-                pinned=len(self._pinned),
-                events={kind: self._event_counts[kind] for kind in EVENT_KINDS},
-            )
+        indexed = self._placements.count_by_tier()
+        data.update(
+            policy=self.policy.describe(),
+            promote=self.promote,
+            pinned=self._placements.pinned_count(),
+            events=self.events.counts(),
+        )
         if self._write_behind is not None:
             data["write_behind"] = self._write_behind.stats()
         data["tiers"] = [
             {"tier": name, **tier.stats(), "indexed_entries": indexed[i], "profile": profile.to_dict()}
-            for i, (name, tier, profile) in enumerate(zip(self.tier_names, self.tiers, self.profiles))
+            for i, (name, tier, profile) in enumerate(zip(self.tier_names, self._tiers, self.profiles))
         ]
         return data
 
@@ -194,613 +179,183 @@ class TieredStore(Store):
         if self._write_behind is not None:
             self._write_behind.close(drain=self.save_on_close and not self.read_only)
         if self.save_on_close and not self.read_only:
-            self._save_volatile()
-            self._flush_events()
+            with self.events.delivering():
+                self.lost_on_close = self._save_volatile()
         super().close()
 
     # --- hot/cold scheduling --------------------------------------------------
 
+    @delivering_events
     def tier_of(self, key: str) -> str | None:
         """The name of the tier holding ``key``, or None."""
         self._check_key_open(key)
         placement = self._locate(key)
-        self._flush_events()
         return None if placement is None else self.tier_names[placement.tier]
 
+    @delivering_events
     def offload(self, key: str, to: str | int = -1) -> bool:
         """Move ``key`` to the tier named or numbered ``to`` (default: the bottom); False if absent or refused."""
         self._check_key_open(key)
         target = self._tier_index(to)
-        with self._claim(key):
+        with self._placements.claim(key):
             if self._locate(key) is None:
                 return False
             if self.is_pinned(key):
                 raise UsageError(f"{key!r} is pinned; unpin it before offloading it")
-            moved = self._move(key, target, "offloaded by caller", report_no_room=True)
-        self._flush_events()
-        return moved
+            return self._move(key, target, "offloaded by caller", report_no_room=True)
 
-    def prefetch(self, keys: Sequence[str]) -> list[Future]:
+    def prefetch(self, keys: Sequence[str]) -> list[Future[bool]]:
         """Bring ``keys`` to the top tier in the background; each future gives True if its key is there."""
         self._check_open()
         for key in keys:
             check_key(key)
-        with self._lock:
+        with self._placements.lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._prefetch_workers, thread_name_prefix="kvtool-prefetch")
-        return [self._executor.submit(self._prefetch_one, key) for key in keys]
+            executor = self._executor
+        return [executor.submit(self._prefetch_one, key) for key in keys]
 
+    @delivering_events
     def pin(self, key: str) -> bool:
         """Keep ``key`` in its tier (or higher) until ``unpin``; False if it is not stored."""
         self._check_key_open(key)
-        with self._claim(key):  # waits for a move of it to finish
+        with self._placements.claim(key):  # waits for a move of it to finish
             placement = self._locate(key)
-            with self._lock:
-                found = placement is not None and self._placed.get(key) is placement
-                if found:
-                    self._pinned.add(key)
-        self._flush_events()
-        return found
+            return placement is not None and self._placements.pin(placement)
 
     def unpin(self, key: str) -> bool:
         """True if ``key`` was pinned."""
         self._check_key_open(key)
-        with self._lock:
-            pinned = key in self._pinned
-            self._pinned.discard(key)
-            return pinned
+        return self._placements.unpin(key)
 
     def is_pinned(self, key: str) -> bool:
-        with self._lock:
-            return key in self._pinned
+        return self._placements.is_pinned(key)
 
+    @delivering_events
     def evict(self, key: str) -> bool:
         """Remove ``key`` from every tier; a pinned key must be unpinned first."""
         self._check_key_open(key)
-        with self._claim(key):
+        with self._placements.claim(key):
             if self.is_pinned(key):
                 raise UsageError(f"{key!r} is pinned; unpin it before evicting it")
-            removed = self._remove_everywhere(key, "evicted by caller")
-        self._flush_events()
-        return removed
+            return self._remove_everywhere(key, "evicted by caller")
 
+    @delivering_events
     def touch(self, key: str) -> bool:
         """Mark ``key`` as just used without reading it; False if it is not stored."""
         self._check_key_open(key)
         placement = self._locate(key)
         if placement is not None:
-            with self._lock:
+            with self._placements.lock:
                 placement.last_access = time.monotonic()
-        self._flush_events()
         return placement is not None
-
-    def subscribe(self, callback: Callable[[StoreEvent], None]) -> Callable[[], None]:
-        """Call ``callback(event)`` for every event; returns a function that unsubscribes it."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
 
     # --- backend hooks, in terms of the tiers ---------------------------------
 
     def _read(self, key: str) -> bytes | None:
         placement = self._locate(key)
-        return None if placement is None else self.tiers[placement.tier].read_record(key)
+        return None if placement is None else self._tiers[placement.tier].read_record(key)
 
+    @delivering_events
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        with self._claim(info.key):
+        with self._placements.claim(info.key):
             stored = self._place(info, record)
-            with self._lock:
-                placement = self._placed.get(info.key)
-                behind = self._write_behind if stored and placement is not None else None
-                persist = behind is not None and placement is not None and self._persist_target(placement) is not None
-        if behind is not None and persist:  # after the claim ends: a full queue makes this thread write the copy
-            behind.submit(info.key)
-        self._flush_events()
+            placement = self._placements.get(info.key) if stored else None
+            persist = placement is not None and self._persist_target(placement) is not None
+        if self._write_behind is not None and persist:  # after the claim: a full queue makes this thread write
+            self._write_behind.submit(info.key)
         return stored
 
+    @delivering_events
     def _delete(self, key: str) -> bool:
-        with self._claim(key):
-            removed = self._remove_everywhere(key, "deleted")
-        self._flush_events()
-        return removed
+        with self._placements.claim(key):
+            return self._remove_everywhere(key, "deleted")
 
     def _contains(self, key: str) -> bool:
-        with self._lock:
-            placement = self._placed.get(key)
-            if placement is not None and not self.tiers[placement.tier].shared:
-                return True
-        return any(self.tiers[i].contains(key) for i in self._shared_tiers())
+        placement = self._placements.get(key)
+        if placement is not None and not self._tiers[placement.tier].shared:
+            return True
+        return any(self._tiers[i].contains(key) for i in self._shared_tiers())
 
     def _keys(self) -> list[str]:
-        with self._lock:
-            keys = dict.fromkeys(k for k, p in self._placed.items() if not self.tiers[p.tier].shared)
+        keys = dict.fromkeys(self._placements.keys_in([i for i, t in enumerate(self._tiers) if not t.shared]))
         for i in self._shared_tiers():
-            keys.update(dict.fromkeys(self.tiers[i].keys()))
+            keys.update(dict.fromkeys(self._tiers[i].keys()))
         return list(keys)
 
     def _info(self, key: str) -> EntryInfo | None:
-        with self._lock:
-            placement = self._placed.get(key)
-            tier = None if placement is None or self.tiers[placement.tier].shared else self.tiers[placement.tier]
-        if tier is not None:
-            return tier.info(key)
+        placement = self._placements.get(key)
+        if placement is not None and not self._tiers[placement.tier].shared:
+            return self._tiers[placement.tier].info(key)
         for index in self._shared_tiers():  # asked without indexing: lookups must not grow the index
-            info = self.tiers[index].info(key)
+            info = self._tiers[index].info(key)
             if info is not None:
                 return info
         return None
 
     def _close(self) -> None:
-        for tier in self.tiers:
+        for tier in self._tiers:
             tier.close()
-
-    # --- claims and room -----------------------------------------------------
-
-    @contextlib.contextmanager
-    def _claim(self, key: str) -> Iterator[None]:
-        """Hold ``key`` for one write or move, waiting while another operation holds it."""
-        with self._lock:
-            while key in self._claimed:
-                self._released.wait()
-            self._claimed.add(key)
-        try:
-            yield
-        finally:
-            self._release([key])
-
-    def _release(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            self._claimed.difference_update(keys)
-            self._released.notify_all()
-
-    def _reserve_room(self, index: int, need: int) -> list[Placement] | None:
-        """Reserve ``need`` bytes in tier ``index`` (lock held); the entries that must leave it first, or None.
-
-        The entries returned are claimed; ``_make_room`` moves them out. A shared
-        tier evicts by itself when written (other processes' entries compete
-        for its room): entries this store knows there are only chosen when a
-        lower tier exists, and the tier makes the rest of the room. The caller
-        gives the reservation back with ``_unreserve`` once its write is done.
-        """
-        tier = self.tiers[index]
-        if tier.capacity is not None and need > tier.capacity:
-            return None
-        victims: list[Placement] = []
-        if tier.capacity is not None and need > 0:
-            free = tier.capacity - (tier.used_bytes or 0) - self._reserved[index] + self._leaving[index]
-            if free < need and not (tier.shared and index == len(self.tiers) - 1):
-                candidates = [
-                    p for p in self._placed.values()
-                    if p.tier == index and p.key not in self._pinned and p.key not in self._claimed
-                ]
-                for victim in self.policy.coldest_first(candidates, self.profiles[index], time.monotonic()):
-                    if free >= need:
-                        break
-                    victims.append(victim)
-                    free += victim.size
-                if free < need and not tier.shared:
-                    return None
-        for victim in victims:
-            self._claimed.add(victim.key)
-            self._leaving[index] += victim.size
-        self._reserved[index] += max(need, 0)
-        return victims
-
-    def _unreserve(self, index: int, need: int) -> None:
-        with self._lock:
-            self._reserved[index] -= max(need, 0)
-
-    def _make_room(self, victims: list[Placement]) -> None:
-        """Move the entries ``_reserve_room`` chose out of their tier (no lock held), then release them."""
-        for victim in victims:
-            source = victim.tier
-            try:
-                self._demote(victim)
-            finally:
-                with self._lock:
-                    self._leaving[source] -= victim.size
-                self._release([victim.key])
-
-    # --- placement (no lock held; the caller has claimed the key) -------------
-
-    def _place(self, info: EntryInfo, record: bytes) -> bool:
-        """Put a new record in the highest tier that admits it and has room."""
-        with self._lock:
-            old = self._placed.get(info.key)
-        placement = Placement(info.key, -1, info.size, info.tokens, time.monotonic())
-        for index, tier in enumerate(self.tiers):
-            if not self.policy.admits(placement, self.profiles[index]):
-                continue
-            need = info.size - (old.size if old is not None and old.tier == index else 0)
-            with self._lock:
-                victims = self._reserve_room(index, need)
-            if victims is None:
-                continue
-            try:
-                self._make_room(victims)
-                written = tier.put_entry(info) if isinstance(info, Entry) else tier.write_record(info.key, record)
-            finally:
-                self._unreserve(index, need)
-            if not written:
-                continue
-            with self._lock:
-                placement.tier = index
-                self._placed[info.key] = placement
-                self._event("stored", info.key, index)
-            stale_tiers = {old.tier, old.copy_in} - {index, None} if old is not None else set()
-            for stale in stale_tiers:
-                if stale is not None:
-                    self.tiers[stale].delete(info.key)  # the old value must not outlive the new one
-            return True
-        with self._lock:
-            self._event("failed", info.key, None, "no tier admits it and has room")
-        return False
-
-    def _demote(self, placement: Placement) -> None:
-        """Move an entry to the next lower tier that admits it and has room, or evict it."""
-        source = placement.tier
-        for index in range(source + 1, len(self.tiers)):
-            if not self.policy.admits(placement, self.profiles[index]):
-                continue
-            if self._move(placement.key, index, f"{self.tier_names[source]} full"):
-                return
-            with self._lock:
-                if self._placed.get(placement.key) is not placement:
-                    return  # the entry turned out to be gone
-        reason = "bottom tier full" if source == len(self.tiers) - 1 else "no lower tier admits it or has room"
-        self._remove_everywhere(placement.key, reason, evicted=True)
-
-    def _move(self, key: str, target: int, reason: str, entry: Entry | None = None, report_no_room: bool = False) -> bool:
-        """Copy an entry to tier ``target`` and drop it from its tier (kept there if that tier is shared).
-
-        Demoting to the tier that already holds the entry's write-behind copy writes nothing.
-        """
-        with self._lock:
-            placement = self._placed.get(key)
-            if placement is None:
-                return False
-            source = placement.tier
-            if target == source:
-                return True
-        has_copy = placement.copy_in == target and self.tiers[target].contains(key)
-        if entry is None and not has_copy:
-            entry = self.tiers[source].peek(key)
-            if entry is None:
-                with self._lock:
-                    self._forget(placement, f"gone from {self.tier_names[source]}")
-                return False
-        if entry is not None and not has_copy:
-            with self._lock:
-                victims = self._reserve_room(target, entry.size)
-                if victims is None and report_no_room:
-                    self._event("failed", key, target, f"no room in {self.tier_names[target]}", source)
-            if victims is None:
-                return False
-            try:
-                self._make_room(victims)
-                written = self.tiers[target].put_entry(entry)
-            finally:
-                self._unreserve(target, entry.size)
-            if not written:
-                with self._lock:
-                    self._event("failed", key, target, f"write to {self.tier_names[target]} failed", source)
-                return False
-        kept = self.tiers[source].shared
-        with self._lock:
-            placement.copy_in = source if kept and target < source and self.tiers[source].persistent else None
-            placement.tier = target
-            self._placed[key] = placement  # also when the source tier evicted it meanwhile: the copy is here
-            self._event("promoted" if target < source else "demoted", key, target, reason, source)
-        if not kept:
-            self.tiers[source].delete(key)
-        return True
-
-    def _save_volatile(self) -> None:
-        """Move entries of tiers that die with the process down to a persistent tier with room."""
-        persistent = [i for i, tier in enumerate(self.tiers) if tier.persistent]
-        with self._lock:
-            placements = list(self._placed.values())
-        for placement in placements:
-            with self._claim(placement.key):
-                with self._lock:
-                    current = self._placed.get(placement.key) is placement
-                if not current or self.tiers[placement.tier].persistent:
-                    continue
-                for index in ([placement.copy_in] if placement.copy_in is not None else []) + persistent:
-                    if index > placement.tier and self._move(placement.key, index, "saved on close"):
-                        break
-
-    def _remove_everywhere(self, key: str, reason: str, evicted: bool = False) -> bool:
-        """Remove ``key`` from its tier, its write-behind copy and every shared tier.
-
-        ``evicted``: it leaves to make room, which the tiers count as evictions.
-        """
-        with self._lock:
-            placement = self._placed.pop(key, None)
-            self._pinned.discard(key)
-        removed = False
-        for index, tier in enumerate(self.tiers):
-            if tier.shared or (placement is not None and index in (placement.tier, placement.copy_in)):
-                removed = tier.delete(key, evicted=reason if evicted else None) or removed
-        if placement is not None or removed:
-            with self._lock:
-                self._event("evicted", key, None if placement is None else placement.tier, reason)
-        return removed or placement is not None
-
-    # --- write-behind -------------------------------------------------------------
-
-    def _persist_target(self, placement: Placement) -> int | None:
-        """The persistent tier below a volatile entry that its write-behind copy goes to, or None."""
-        if self.tiers[placement.tier].persistent:
-            return None
-        for index in range(placement.tier + 1, len(self.tiers)):
-            if self.tiers[index].persistent and self.policy.admits(placement, self.profiles[index]):
-                return index
-        return None
-
-    def _persist(self, key: str) -> bool | None:
-        """Give a volatile entry its copy in a persistent tier, writing outside the lock; None if none is due."""
-        with self._claim(key):
-            with self._lock:
-                placement = self._placed.get(key)
-                target = None if placement is None or placement.copy_in is not None else self._persist_target(placement)
-                source = None if placement is None or target is None or self.read_only else self.tiers[placement.tier]
-            record = None if source is None else source.read_record(key)
-            if record is None or placement is None or target is None:
-                return None  # deleted, moved or already copied since it was queued
-            try:
-                entry = unwrap(record, key)
-            except CorruptEntryError:
-                return None  # damaged: not copied, and left for a reader to find, log and drop
-            staged = self.tiers[target].stage_entry(entry)
-            with self._lock:
-                victims = self._reserve_room(target, entry.size)
-            written: bool | None
-            if victims is None:
-                staged.abort()
-                written = False
-            else:
-                try:
-                    self._make_room(victims)
-                    written = staged.commit()
-                finally:
-                    self._unreserve(target, entry.size)
-            with self._lock:
-                if written and self._placed.get(key) is placement and placement.tier < target:
-                    placement.copy_in = target
-                elif written:
-                    written = None  # the entry left its volatile tier meanwhile (evicted by it): no copy is due
-                else:
-                    reason = f"write-behind to {self.tier_names[target]} failed"
-                    self._event("failed", key, target, reason, placement.tier)
-        self._flush_events()
-        return written
-
-    def _tier_evicted(self, index: int, keys: list[str], reason: str) -> None:
-        """Tier ``index`` evicted ``keys`` by itself: drop them (or their write-behind copies) from the index."""
-        with self._lock:
-            for key in keys:
-                placement = self._placed.get(key)
-                if placement is not None and placement.tier == index:
-                    del self._placed[key]
-                    self._pinned.discard(key)
-                    self._event("evicted", key, index, reason)
-                elif placement is not None and placement.copy_in == index:
-                    placement.copy_in = None  # the entry itself is still above
-
-    def _forget(self, placement: Placement, reason: str) -> None:
-        """Drop an index entry whose record is no longer in its tier (another process or the tier removed it)."""
-        if self._placed.get(placement.key) is placement:
-            del self._placed[placement.key]
-            self._pinned.discard(placement.key)
-            log.info("%s: %r %s; treated as a miss", self.name, placement.key, reason)
-            self._event("evicted", placement.key, placement.tier, reason)
-
-    def _locate(self, key: str) -> Placement | None:
-        """The placement of ``key``, asking the shared tiers (outside the lock) when the index does not know it.
-
-        A placement in a shared tier is checked there: another process may have removed the entry.
-        """
-        with self._lock:
-            placement = self._placed.get(key)
-        if placement is not None:
-            if not self.tiers[placement.tier].shared or self.tiers[placement.tier].contains(key):
-                return placement
-            with self._lock:
-                self._forget(placement, f"gone from {self.tier_names[placement.tier]}")
-        for index in self._shared_tiers():
-            info = self.tiers[index].info(key)
-            if info is not None:
-                with self._lock:
-                    return self._placed.get(key) or self._register(info, index)
-        return None
-
-    def _register(self, info: EntryInfo, index: int) -> Placement:
-        """Index an entry found in tier ``index`` (lock held)."""
-        placement = Placement(info.key, index, info.size, info.tokens, time.monotonic())
-        self._placed[info.key] = placement
-        return placement
 
     # --- reads ----------------------------------------------------------------
 
-    def _fetch(self, key: str, to_top: bool, reason: str) -> Entry | None:
-        """Read ``key`` from its tier (outside the lock), then move it to the top if asked."""
+    def _fetch(self, key: str, to_top: bool, reason: str) -> Fetched:
+        """Read ``key`` from its tier (outside the lock), then move it to the top if asked; or say why not.
+
+        A miss in every tier asked reports the gravest cause a tier gave: damaged, then unreachable, then missing.
+        """
+        causes: list[Fetched] = []
         for _ in range(_READ_ATTEMPTS):
-            with self._lock:
-                seen = self._placed.get(key)
-                where = [seen.tier] if seen is not None else self._shared_tiers()
+            seen = self._placements.get(key)
+            where = [seen.tier] if seen is not None else self._shared_tiers()
             for index in where:
                 start = time.perf_counter()
-                entry = self.tiers[index].get_entry(key)
+                fetched = self._tiers[index].fetch(key)
+                entry = fetched.entry
                 if entry is None:
+                    causes.append(fetched)
                     continue
                 self.profiles[index].observe(entry.size, time.perf_counter() - start)
-                with self._lock:
-                    current = self._placed.get(key)
+                with self._placements.lock:
+                    current = self._placements.get(key)
                     if current is None and seen is None:
-                        current = self._register(entry, index)
+                        current = self._placements.register(entry, index)
                     unchanged = current is not None and (seen is None or current is seen) and current.tier == index
                     if current is not None and unchanged:
                         current.hits += 1
                         current.last_access = time.monotonic()
-                    promote = unchanged and to_top and index > 0 and key not in self._claimed
-                    if promote:
-                        self._claimed.add(key)  # a key being moved is not promoted: this read does not wait
+                    # a key being moved is not promoted: this read does not wait
+                    promote = unchanged and to_top and index > 0 and self._placements.try_claim(key)
                 if promote:
                     try:
                         self._move(key, 0, reason, entry)
                     finally:
-                        self._release([key])
-                return entry
-            with self._lock:
-                if seen is None or self.read_only:  # read-only: a damaged entry stays, indexed where it is
-                    return None
-                if self._placed.get(key) is seen and seen.tier == where[0]:
+                        self._placements.release([key])
+                return Fetched(key, entry, None)
+            if seen is None or self.read_only:  # read-only: a damaged entry stays, indexed where it is
+                break
+            with self._placements.lock:
+                if self._placements.get(key) is seen and seen.tier == where[0]:
                     self._forget(seen, f"gone from {self.tier_names[seen.tier]} (expired, evicted, damaged or unreachable)")
-        return None
+        return _gravest(key, causes)
 
+    @delivering_events
     def _prefetch_one(self, key: str) -> bool:
-        with self._lock:
-            placement = self._placed.get(key)
-            if placement is not None and placement.tier == 0:
-                return True
+        placement = self._placements.get(key)
+        if placement is not None and placement.tier == 0:
+            return True
         try:
-            entry = self._fetch(key, to_top=True, reason="prefetched")
-            with self._lock:
-                placement = self._placed.get(key)
-                at_top = entry is not None and placement is not None and placement.tier == 0
+            fetched = self._fetch(key, to_top=True, reason="prefetched")
+            placement = self._placements.get(key)
+            return fetched.entry is not None and placement is not None and placement.tier == 0
         except Exception:  # noqa: BLE001 - a prefetch runs in a pool thread: logged, reported as False
             log.exception("%s: prefetch of %r failed", self.name, key)
             return False
-        finally:
-            self._flush_events()
-        return at_top
 
-    # --- helpers --------------------------------------------------------------
-
-    def _index_tiers(self) -> None:
-        """Index what the non-shared tiers already hold; a key found twice keeps its highest copy."""
-        for index, tier in enumerate(self.tiers):
-            if tier.shared:
-                continue
-            for key in tier.keys():  # coldest first, so recency order carries over
-                info = tier.info(key)
-                if info is None:
-                    continue
-                if key in self._placed:
-                    tier.delete(key)
-                else:
-                    self._register(info, index)
-
-    def _shared_tiers(self) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if t.shared]
-
-    def _tier_index(self, tier: str | int) -> int:
-        if isinstance(tier, int) and -len(self.tiers) <= tier < len(self.tiers):
-            return tier % len(self.tiers)
-        if isinstance(tier, str) and tier in self.tier_names:
-            return self.tier_names.index(tier)
-        raise UsageError(f"no tier {tier!r}; tiers: {', '.join(self.tier_names)} (or 0..{len(self.tiers) - 1})")
-
-    def _check_key_open(self, key: str) -> None:
-        check_key(key)
-        self._check_open()
-
-    def _event(self, kind: str, key: str, tier: int | None, reason: str = "", from_tier: int | None = None) -> None:
-        self._event_counts[kind] += 1
-        self._pending.append(StoreEvent(
-            kind, key,
-            None if tier is None else self.tier_names[tier],
-            reason,
-            None if from_tier is None else self.tier_names[from_tier],
-        ))
-
-    def _flush_events(self) -> None:
-        with self._lock:
-            events, self._pending = self._pending, []
-            subscribers = list(self._subscribers)
-        for event in events:
-            for callback in subscribers:
-                try:
-                    callback(event)
-                except Exception:  # noqa: BLE001 - a subscriber's bug must not break the store
-                    log.exception("%s: event subscriber %r failed", self.name, callback)
+_GRAVITY = {MissCause.DAMAGED: 0, MissCause.UNREACHABLE: 1, MissCause.MISSING: 2}
 
 
-def _unique_names(names: list[str]) -> list[str]:
-    """Tier names, numbered where several tiers share one (``file``, ``file2``)."""
-    counts = Counter(names)
-    seen: Counter[str] = Counter()
-    unique = []
-    for name in names:
-        seen[name] += 1
-        unique.append(name if counts[name] == 1 or seen[name] == 1 else f"{name}{seen[name]}")
-    return unique
-
-
-class _WriteBehind:
-    """A bounded queue of keys whose entries need a persistent copy, and the thread that writes them."""
-
-    def __init__(self, store: TieredStore, limit: int) -> None:
-        self.limit = limit
-        self._store = store
-        self._queue: queue.Queue[str | None] = queue.Queue(limit)
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        self._counts = Counter({"written": 0, "failed": 0, "written_by_caller": 0})
-
-    def submit(self, key: str) -> None:
-        """Queue ``key``; when the queue is full, write its copy in the calling thread (back-pressure)."""
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvtool-write-behind", daemon=True)
-                self._thread.start()
-        try:
-            self._queue.put_nowait(key)
-        except queue.Full:
-            self._write(key, "written_by_caller")
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def close(self, drain: bool) -> None:
-        """Stop the thread, after writing what is queued if ``drain``."""
-        if self._thread is None:
-            return
-        if not drain:
-            while True:
-                try:
-                    self._queue.get_nowait()
-                    self._queue.task_done()
-                except queue.Empty:
-                    break
-        self._queue.put(None)
-        self._thread.join()
-
-    def stats(self) -> dict[str, int]:
-        return {"limit": self.limit, "queued": self._queue.qsize(), **self._counts}
-
-    def _run(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                self._write(key, "written")
-            finally:
-                self._queue.task_done()
-
-    def _write(self, key: str, counter: str) -> None:
-        try:
-            written = self._store._persist(key)
-        except Exception:  # noqa: BLE001 - the write-behind thread must outlive one failed copy
-            log.exception("%s: write-behind of %r failed", self._store.name, key)
-            written = False
-        if written is not None:
-            self._counts[counter if written else "failed"] += 1
+def _gravest(key: str, causes: list[Fetched]) -> Fetched:
+    """The miss to report from the tiers' answers (a missing entry when no tier was asked)."""
+    ranked = sorted((c for c in causes if c.cause is not None), key=lambda c: _GRAVITY[MissCause(c.cause)])
+    return ranked[0] if ranked else Fetched(key, None, MissCause.MISSING, "no tier holds it")

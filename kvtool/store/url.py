@@ -121,8 +121,20 @@ def parse_options(url: str, parsers: dict[str, Callable[[str], Any]]) -> dict[st
     return options
 
 
+MAX_SECONDS = 1e9  # about 31 years: beyond it a deadline no longer fits the platform's time_t
+
+
 def positive_seconds(text: str) -> float:
+    """A positive, finite number of seconds up to ``MAX_SECONDS`` (``1e400`` and ``inf`` are refused)."""
     value = float(text)
-    if not value > 0:
-        raise ValueError(f"{text!r} is not a positive number of seconds")
+    if not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{text!r} is not a number of seconds in (0, {MAX_SECONDS:g}]")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """Like ``positive_seconds``, 0 allowed."""
+    value = float(text)
+    if not 0 <= value <= MAX_SECONDS:
+        raise ValueError(f"{text!r} is not a number of seconds in [0, {MAX_SECONDS:g}]")
     return value

@@ -6,7 +6,9 @@ after the test); a backend with a byte capacity of its own subclasses
 ``CAPACITY`` bytes; a backend that several processes share subclasses
 ``SharedStoreTests`` and provides ``shared_url``. The suite checks round trips,
 overwrite, empty and large values, metadata, batch calls, key checks, that a
-damaged stored value is a logged miss and never wrong bytes, capacity and LRU
+damaged stored value is a logged miss and never wrong bytes, that ``fetch`` says
+why a read missed (missing, damaged), the tier calls every store speaks (a plain
+store as a one-tier stack: pin, offload, prefetch, evict, events), capacity and LRU
 eviction, that a refused re-put keeps the old value, closed-store errors,
 JSON-safe stats, a Hypothesis state machine comparing the store with a dict, and
 several processes working on one store at once.
@@ -25,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvtool.errors import UsageError
-from kvtool.store import Store, StoreClosedError, open_store
+from kvtool.store import MissCause, Store, StoreClosedError, StoreEvent, open_store
 from kvtool.testing.shared import KEYS as SHARED_KEYS
 from kvtool.testing.shared import is_valid, run_processes
 
@@ -60,6 +62,16 @@ class _DictModel(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS))
     def get(self, key):
         assert self.store.get(key) == self.model.get(key)
+
+    @rule(key=st.sampled_from(KEYS))
+    def fetch(self, key: str) -> None:
+        fetched = self.store.fetch(key)
+        assert fetched.key == key
+        if key in self.model:
+            assert fetched.entry is not None and fetched.cause is None
+            assert bytes(fetched.entry.value) == self.model[key]
+        else:
+            assert fetched.entry is None and fetched.cause is MissCause.MISSING
 
     @rule(key=st.sampled_from(KEYS))
     def contains(self, key):
@@ -168,6 +180,48 @@ class StoreTests:
             store.put("k", b"v", {"bad": object()})
         assert not store.contains("k")
 
+    def test_fetch_says_hit_or_missing(self, store: Store):
+        store.put("k", b"value", {"tokens": 3})
+        fetched = store.fetch("k")
+        assert fetched.entry is not None and bytes(fetched.entry.value) == b"value"
+        assert (fetched.key, fetched.cause, fetched.entry.tokens) == ("k", None, 3)
+        absent = store.fetch("absent")
+        assert (absent.key, absent.entry, absent.cause) == ("absent", None, MissCause.MISSING)
+        assert absent.cause == "missing" and absent.detail
+
+    # --- tiers: every store is a stack of one or more -------------------------
+
+    def test_every_store_speaks_tiers(self, store: Store):
+        events: list[StoreEvent] = []
+        unsubscribe = store.subscribe(events.append)
+        assert len(store.tiers) == len(store.tier_names) >= 1
+        assert store.put("k", b"value")
+        assert [(e.kind, e.key) for e in events] == [("stored", "k")]
+        assert events[0].tier in store.tier_names
+        assert store.tier_of("k") in store.tier_names and store.tier_of("absent") is None
+        assert [f.result(timeout=30) for f in store.prefetch(["k", "absent"])] == [True, False]
+        assert store.touch("k") and not store.touch("absent")
+        assert store.pin("k") and not store.pin("absent") and store.is_pinned("k")
+        for refused in (lambda: store.evict("k"), lambda: store.offload("k", 0)):
+            with pytest.raises(UsageError, match="pinned"):
+                refused()
+        with pytest.raises(UsageError, match="no tier"):
+            store.offload("k", "no such tier")
+        assert store.unpin("k") and not store.unpin("k")
+        assert store.offload("k", store.tier_names[-1]) and store.tier_of("k") == store.tier_names[-1]
+        store.flush()
+        assert store.evict("k") and not store.evict("k") and store.tier_of("k") is None
+        assert events[-1].kind == "evicted" and events[-1].key == "k"
+        unsubscribe()
+        store.put("other", b"v")
+        assert all(e.key == "k" for e in events)
+
+    def test_batch_puts_are_reported_as_events(self, store: Store):
+        events: list[StoreEvent] = []
+        store.subscribe(events.append)
+        assert store.put_many({"x": b"1", "y": b"2"}) == [True, True]
+        assert sorted((e.kind, e.key) for e in events) == [("stored", "x"), ("stored", "y")]
+
     # --- integrity ----------------------------------------------------------
 
     @pytest.mark.parametrize("damage", ["flip-value", "flip-header", "truncate", "extend", "garbage"])
@@ -190,6 +244,10 @@ class StoreTests:
             assert store.get("k") is None
         assert "damaged" in caplog.text
         assert store.get("k") is None
+        assert store.write_record("k", bytes(record))
+        fetched = store.fetch("k")
+        assert (fetched.key, fetched.entry, fetched.cause) == ("k", None, MissCause.DAMAGED) and fetched.detail
+        assert store.fetch("k").cause is MissCause.MISSING  # a damaged entry is dropped
 
     def test_record_of_another_key_is_a_miss(self, store: Store, caplog):
         store.put("a", b"value of a")

@@ -23,6 +23,7 @@ import numpy as np
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.errors import UsageError
 from kvtool.modeldict import registry
+from kvtool.modeldict.format import Dictionary
 from kvtool.modeldict.train import train
 from kvtool.recipe import Recipe
 from kvtool.store import Store, dicts
@@ -63,12 +64,12 @@ class DictionaryKeeper:
         self._lock = threading.Lock()
         self._learning: list[KVCache] | None = None
         self._target = 0
-        dicts.attach(store)
+        registry.attach(dicts.source(store))
         if setting is not None and setting.startswith("train"):
             self._learning, self._target = [], _train_tokens(setting)
         elif setting is not None:
             self._recipe = f"ctxans:{registry.load(setting).id}"
-        dicts.publish_for(store, self._recipe)
+        dicts.publish_all(store, dictionaries_of(self._recipe))
 
     def recipe_for(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> str:
         """The recipe to code this entry with; while learning, the entry joins the training set."""
@@ -100,3 +101,10 @@ class DictionaryKeeper:
     def recipe(self) -> str:
         with self._lock:
             return self._recipe
+
+
+def dictionaries_of(recipe: str) -> list[Dictionary]:
+    """The model dictionaries ``recipe`` codes with (none for most recipes)."""
+    parsed = Recipe.parse(recipe)
+    coders = [parsed.codec, *parsed.plane_codecs.values()]
+    return [coder.dictionary() for coder in coders if hasattr(coder, "dictionary")]

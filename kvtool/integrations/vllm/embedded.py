@@ -23,7 +23,7 @@ from kvtool.server.app import Limits
 from kvtool.server.auth import DEFAULT_LISTEN, load_token
 from kvtool.server.lookup import BlockHasher
 from kvtool.server.run import ApiServer
-from kvtool.store import Store, TieredStore
+from kvtool.store import Store, as_stack
 
 log = logging.getLogger("kvtool.vllm")
 
@@ -36,7 +36,7 @@ def start_in_vllm(store: Store, options: Mapping[str, Any], settings: Any, namer
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise UsageError(f"unknown kvtool connector api options {unknown}; known: {sorted(_OPTIONS)}")
-    if not isinstance(store, TieredStore):
+    if len(store.tiers) < 2:
         raise UsageError(
             "the kvtool API needs a tiered store to pin and move entries: set 'store' to two or more tiers, "
             "e.g. memory://?capacity=4GiB,file:///var/cache/kvtool"
@@ -59,7 +59,7 @@ def start_in_vllm(store: Store, options: Mapping[str, Any], settings: Any, namer
     token_file = options.get("token_file")
     limits = Limits(**{k: options[k] for k in ("rate", "burst") if k in options})
     server = ApiServer(
-        store,
+        as_stack(store),  # a stack already: it has two or more tiers
         load_token(None if token_file is None else Path(token_file), create=True),
         options.get("listen", DEFAULT_LISTEN),
         allow_remote=bool(options.get("allow_remote", False)),

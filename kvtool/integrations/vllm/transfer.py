@@ -31,11 +31,13 @@ import torch
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.container import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
-from kvtool.integrations.vllm.fetch import fetch_entry
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
-from kvtool.store import Store, TieredStore
+from kvtool.store import MissCause, Store
+
+# How a store's reason for a miss is counted among the restore failures (``stats.FAILURE_CAUSES``).
+FAILURE_OF_MISS = {MissCause.MISSING: "missing", MissCause.DAMAGED: "damaged", MissCause.UNREACHABLE: "store_error"}
 
 log = logging.getLogger("kvtool.vllm")
 
@@ -200,10 +202,13 @@ class Restore:
             return
         key = self._key_of(p.job.entry_id)
         try:
-            p.tier = (self._store.tier_of(key) or "") if isinstance(self._store, TieredStore) else self._store.name
-            entry, cause = fetch_entry(self._store, key)
+            p.tier = self._store.tier_of(key) or ""
+            fetched = self._store.fetch(key)
+            entry = fetched.entry
             if entry is None:
-                self._fail(p, f"entry {cause}", str(cause))
+                assert fetched.cause is not None
+                self._fail(p, f"entry {fetched.cause.value}" + (f": {fetched.detail}" if fetched.detail else ""),
+                           FAILURE_OF_MISS[fetched.cause])
                 return
             reader = KvzReader.from_bytes(entry.value)
         except KvtoolError as exc:
