@@ -12,7 +12,7 @@ import typer
 from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
-from kvtool.bench.report import CSV_COLUMNS, csv_rows, headline, legend, limits_line, table_rows
+from kvtool.bench.report import CSV_COLUMNS, column_decimals, csv_rows, headline, legend, limits_line, table_rows
 from kvtool.cli._common import JSON_OPTION, Command, existing_file, format_table, print_json, progress
 from kvtool.container import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
@@ -88,7 +88,7 @@ def _print_tables(report) -> None:
         typer.echo("")
         typer.echo(headline(file))
         typer.echo(limits_line(file))
-        typer.echo(format_table(*table_rows(file, s["threads"])))
+        typer.echo(format_table(*table_rows(file, s["threads"]), decimals=column_decimals(s["threads"])))
     typer.echo("")
     for line in legend(s["threads"]):
         typer.echo(line)
