@@ -95,6 +95,12 @@ class Store(ABC):
     def from_url(cls, url: str) -> "Store":
         raise UsageError(f"{cls.__name__} cannot be opened from a URL")
 
+    @classmethod
+    def open_existing(cls, url: str) -> "Store":
+        """The store ``url`` names, opened only if it exists, creating nothing (``MissingStoreError``
+        otherwise); a backend that creates nothing when it opens is opened as ``from_url`` does."""
+        return cls.from_url(url)
+
     def describe(self) -> str:
         """A URL-like description with no secret in it, for messages and ``repr``."""
         return f"{self.scheme}://"

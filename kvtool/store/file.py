@@ -27,7 +27,8 @@ name (a ``.part``, a renamed file whose commit never happened, an old record not
 yet unlinked). ``collect_garbage`` removes them, and rows whose file is gone; it
 recognises a live writer's files by their ``flock``, which dies with the
 process. The first write of each process runs it. Opening never changes
-anything, so inspecting a store (``kvtool store ls``) is always safe.
+anything, so inspecting a store (``kvtool store ls``) is always safe; opening with
+``create=False`` (``open_store(..., create=False)``) also creates nothing where no store is.
 
 A failed write (disk full, I/O error, the index busy beyond the timeout) returns
 False and leaves the key's old value in place. Capacity is enforced by each
@@ -66,7 +67,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import unquote
 
-from kvtool.errors import UsageError
+from kvtool.errors import MissingStoreError, UsageError
 from kvtool.fileio import fsync_dir
 from kvtool.store.base import StagedWrite, Store, log
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info
@@ -122,13 +123,22 @@ class FileStore(Store):
     typical_latency_s = 1e-4
     typical_bandwidth = 2e9
 
-    def __init__(self, path: str | os.PathLike, capacity: int | None = None, *, name: str | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, capacity: int | None = None, *, name: str | None = None, create: bool = True
+    ) -> None:
+        """``create=False`` opens only a store that exists, creating nothing: a directory that is not
+        one (no index) is a ``MissingStoreError``."""
         super().__init__(capacity=capacity, name=name)
         self.root = Path(path).expanduser().absolute()
         self._entries = self.root / "entries"
+        self._create = create
+        if not create and not (self.root / INDEX).is_file():
+            there = "does not exist" if not self.root.exists() else "is not a file store (it has no index.sqlite3)"
+            raise MissingStoreError(f"file store {self.root} {there}")
         try:  # KV caches reveal prompts: directories this store creates are private to the user
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._entries.mkdir(mode=0o700, exist_ok=True)
+            if create:
+                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._entries.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"cannot use {self.root} as a file store: {exc.strerror}") from None
         self._lock = threading.Lock()  # one connection per store object, used by one thread at a time
@@ -140,11 +150,11 @@ class FileStore(Store):
 
     @classmethod
     def from_url(cls, url: str) -> "FileStore":
-        base, _ = split_query(url)
-        path = unquote(base.strip()[len("file://"):])
-        if not path:
-            raise UsageError("a file store URL needs a path: file:///var/cache/kvtool or file://./cache")
-        return cls(path, **parse_options(url, {"capacity": parse_size}))
+        return cls(_url_path(url), **parse_options(url, {"capacity": parse_size}))
+
+    @classmethod
+    def open_existing(cls, url: str) -> "FileStore":
+        return cls(_url_path(url), **parse_options(url, {"capacity": parse_size}), create=False)
 
     def describe(self) -> str:
         capacity = "" if self.capacity is None else f"?capacity={format_size(self.capacity).replace(' ', '')}"
@@ -412,11 +422,16 @@ class FileStore(Store):
 
     def _connect(self) -> sqlite3.Connection:
         path = self.root / INDEX
-        try:
-            db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-            if db.execute("PRAGMA user_version").fetchone()[0] > SCHEMA_VERSION:
+        try:  # an existing store's index is opened as it is: mode=rw never creates the file
+            target, uri = (path, False) if self._create else (f"{path.as_uri()}?mode=rw", True)
+            db = sqlite3.connect(target, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False, uri=uri)
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
                 db.close()
                 raise UsageError(f"file store {self.root} was made by a newer kvtool (index version too new)")
+            if not self._create and version < SCHEMA_VERSION:
+                db.close()
+                raise MissingStoreError(f"file store {self.root} is not a file store (its index.sqlite3 holds no index)")
             if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = NORMAL")
@@ -493,6 +508,14 @@ class _Staged:
         if self._fd >= 0:
             os.close(self._fd)  # releases the flock
             self._fd = -1
+
+
+def _url_path(url: str) -> str:
+    base, _ = split_query(url)
+    path = unquote(base.strip()[len("file://"):])
+    if not path:
+        raise UsageError("a file store URL needs a path: file:///var/cache/kvtool or file://./cache")
+    return path
 
 
 def _fetch_all(db: sqlite3.Connection, query: str, params: list[str]) -> list[tuple[str]]:
