@@ -184,7 +184,8 @@ def test_bench_marks_the_best_ratio_and_explains_its_columns(samples, tmp_path):
 
 
 def test_plan_prints_tables_with_readable_sizes():
-    text = run("plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128").stdout
+    text = run("plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--hardware", "h800",
+               "--prefill-tps", "15000").stdout
     assert "{" not in text  # no Python dict
     assert "128.0 KiB/token" in text and "256.0 GiB" in text  # 64 sessions x 32768 tokens x 128 KiB
     assert "Break-even" in text and "Time to first token" in text
