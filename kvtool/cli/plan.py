@@ -211,8 +211,10 @@ def _inputs(shape: model.ModelShape, measured: Optional[dict], hardware: Optiona
     chosen = {**base, **given}
     missing = [what for what in HARDWARE_INPUTS if what not in chosen]
     if "prefill" in missing and (measured is not None or hardware is not None):
-        where = f"the run in --calibrate measured {measured.get('model')!r}" if measured else \
-            f"--hardware {hardware} has a prefill only for {', '.join(PRESETS[hardware].prefill) or 'no model'}"
+        if measured is not None:
+            where = f"the run in --calibrate measured {measured.get('model')!r}"
+        else:
+            where = f"--hardware {hardware} has a prefill only for {', '.join(PRESETS[str(hardware)].prefill)}"
         who = "an unnamed model (--name)" if shape.name == "model" else repr(shape.name)
         raise UsageError(f"{where}, not {who}: give its prefill with --prefill-tps or --prefill-fit")
     if missing:
