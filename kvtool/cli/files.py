@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
+from kvtool.cli.dicts import DICT_OPTION, use_dictionaries
 from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
@@ -82,6 +83,7 @@ def decompress(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Only this token range of a .kvz, e.g. '0:128'."),
     threads: int = THREADS_OPTION,
     max_size: str = MAX_SIZE_OPTION,
+    dictionaries: Optional[List[Path]] = DICT_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
@@ -89,6 +91,7 @@ def decompress(
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
     if container.is_kvz(src) and not codec:
+        use_dictionaries([src], dictionaries)
         selected_layers, selected_tokens = parse_layers(layers), parse_tokens(tokens)
         with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             check_token_range(selected_tokens, reader.num_tokens)
@@ -119,10 +122,12 @@ def verify(
     src: Path = typer.Argument(..., help="A .kvz file."),
     full: bool = typer.Option(False, "--full", help="Also decode every chunk and check the decoded bytes."),
     max_size: str = MAX_SIZE_OPTION,
+    dictionaries: Optional[List[Path]] = DICT_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Check a .kvz's header, index and every chunk checksum."""
     existing_file(src)
+    use_dictionaries([src], dictionaries)
     with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
         report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
