@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import kvtool
@@ -46,6 +47,37 @@ def test_a_command_imports_only_its_own_module():
                  "assert CliRunner().invoke(app, ['codecs', '--json']).exit_code == 0; "
                  "print(sorted(m for m in ('kvtool.bench.matrix', 'kvtool.cli.bench', 'kvtool.cli.store') if m in sys.modules))")
     assert out.strip() == "[]"
+
+
+def test_help_lists_every_command_without_importing_one():
+    out = python("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
+                 "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0, r.output; "
+                 "print(sorted(m for m in sys.modules if m.startswith('kvtool.cli.') and m not in "
+                 "('kvtool.cli.root', 'kvtool.cli._common')), 'numpy' in sys.modules)")
+    assert out.strip() == "[] False"
+
+
+def test_the_listed_help_of_each_command_is_its_own():
+    """``kvtool --help`` lists commands from a table; each line must be the command's docstring's first."""
+    from kvtool.cli.root import COMMANDS, app as root_app
+
+    group = typer.main.get_group(root_app)
+    for name, (_, listed) in COMMANDS.items():
+        command = group.get_command(None, name)
+        assert command.get_short_help_str(limit=10_000) == listed, name
+
+
+def test_commands_that_hold_no_cache_load_no_ml_dtypes(tmp_path):
+    """ml_dtypes costs most of a start-up (0.7 s of CPU): commands that never hold a cache's values skip it."""
+    store = f"file://{tmp_path}/store"
+    assert run("store", "put", "k", "-", "--store", store, input=b"v").exit_code == 0
+    out = python("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
+                 "run = lambda *a: CliRunner().invoke(app, list(a)).exit_code; "
+                 f"assert run('codecs') == 0 and run('store', 'ls', '--store', {store!r}) == 0; "
+                 "assert run('plan', '--layers', '2', '--kv-heads', '1', '--head-dim', '8', '--hardware', 'h800', "
+                 "'--prefill-tps', '100') == 0; "
+                 "print('ml_dtypes' in sys.modules)")
+    assert out.strip() == "False"
 
 
 def test_import_kvtool_store_needs_no_numpy():
