@@ -260,3 +260,22 @@ def _unpacked_roots_of_this_run() -> list[Path]:
 
     env = os.environ.get("KVTOOL_QATZIP_LIB")
     return _qatzip._unpacked_roots() + ([Path(env).parents[3]] if env else [])
+
+
+def test_verbose_logs_each_step_of_compress_verify_and_store_put(tmp_path, samples):
+    kvz = tmp_path / "c.kvz"
+    steps = {
+        ("compress", samples[0], kvz): ["reading the KV cache", "read 30 layers x K/V of 256 tokens", "encoding with exphuff",
+                                        "wrote "],
+        ("verify", kvz, "--full"): ["reading the header and index", "checking every checksum, then decoding every chunk"],
+        ("store", "put", "k", kvz, "--store", f"memory://,file://{tmp_path}/s"): [
+            "reading ", "a .kvz of 256 tokens", "opening the store", "memory://", "file://", "putting 'k'", "closing "],
+    }
+    for args, expected in steps.items():
+        quiet, verbose = run(*args), run("-v", *args)
+        assert quiet.exit_code == verbose.exit_code == 0, verbose.output
+        assert "INFO" not in quiet.stderr
+        logged = [line for line in verbose.stderr.splitlines() if line.startswith("kvtool: INFO kvtool.cli.")]
+        assert len(logged) == len(expected), logged
+        for line, phrase in zip(logged, expected):
+            assert phrase in line, (line, phrase)

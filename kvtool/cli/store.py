@@ -91,6 +91,9 @@ def put(
 ):
     """Store a file (or standard input) under KEY (creating the store if there is none)."""
     import kvtool.container  # noqa: F401 - imported before the clock starts: the time reported is the command's work
+    from kvtool.dtypes import register_numpy_types
+
+    register_numpy_types()
 
     started = time.perf_counter()
     log.info("reading %s", "standard input" if source == "-" else source)
