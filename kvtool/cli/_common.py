@@ -14,7 +14,7 @@ from tqdm import tqdm
 from typer.core import TyperCommand, TyperGroup
 
 from kvtool.errors import UsageError
-from kvtool.fileio import check_regular
+from kvtool.fileio import check_output, check_regular
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 
@@ -166,15 +166,21 @@ def existing_file(path: Path) -> Path:
 
 
 def distinct_output(src: Path, dst: Path) -> Path:
-    """``dst``, after checking that writing it cannot replace ``src`` (same path, link or bind mount)."""
+    """``dst``, after checking that it can be written (``check_output``) and that writing it cannot
+    replace ``src`` (same path, link or bind mount): before any work."""
     if src.resolve() == dst.resolve() or (dst.exists() and src.exists() and os.path.samefile(src, dst)):
         raise UsageError(f"the output {dst} is the input file; write to another path")
+    check_output(dst)
     return dst
 
 
 def progress(**kwargs) -> tqdm:
     """A tqdm bar on stderr that stays silent when stderr is not a terminal, or with ``-q``."""
     return tqdm(file=sys.stderr, disable=True if _quiet else None, dynamic_ncols=True, **kwargs)
+
+
+#: Worker threads beyond this are a typo (``--threads 100000``), not a request.
+MAX_THREADS = 1024
 
 
 class DefaultCommandGroup(Group):

@@ -16,7 +16,7 @@ import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
-from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
+from kvtool.cli._common import JSON_OPTION, MAX_THREADS, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
 from kvtool.cli.dicts import DICT_OPTION, use_dictionaries
 from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
@@ -29,7 +29,7 @@ from kvtool.units import format_size, parse_size
 PATTERN_OPTION = typer.Option(
     None, "--pattern", help="Read SRC as a KV cache whose tensors are named like 'model.layers.{layer}.self_attn.{k|v}'."
 )
-THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, help="Worker threads (0: one per core).")
+THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, max=MAX_THREADS, help="Worker threads (0: one per core).")
 MAX_SIZE_OPTION = typer.Option(
     "16GiB", "--max-size", help="Refuse to decode more than this many bytes (e.g. 512MiB), checked before decoding."
 )
