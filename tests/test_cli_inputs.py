@@ -363,3 +363,12 @@ def test_special_files_planted_in_a_file_store(tmp_path, plant):
     if isinstance(result.exception, StillRunning):
         raise result.exception
     assert result.exit_code == 0 and [r["key"] for r in json.loads(result.stdout)] == ["k"], result.output
+
+
+def test_a_recipe_cut_by_the_shell_is_told_to_quote_it(samples, tmp_path):
+    """`--recipe byteplane|zstd:1` unquoted reaches kvtool as 'byteplane': the advice says to quote it."""
+    result = run("compress", samples[0], tmp_path / "x.kvz", "--recipe", "byteplane")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "quote the whole recipe ('byteplane|zstd:1')" in result.stderr
+    whole = run("compress", samples[0], tmp_path / "x.kvz", "--recipe", "byteplane|channel-major")
+    assert whole.exit_code == 2 and "quote" not in whole.stderr
