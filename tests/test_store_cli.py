@@ -119,3 +119,14 @@ def test_stats_in_prometheus_format(run):
     assert 'kvtool_store_entries{tier="file"} 1.0' in text
     assert "# TYPE kvtool_store_evictions_total counter" in text
     assert 'kvtool_store_used_bytes{tier="file"}' in text
+
+
+def test_a_store_named_on_the_command_line_wins_over_kvtool_api(run, tmp_path, monkeypatch):
+    """KVTOOL_API (exported for the scheduling verbs) does not redirect a command given --store."""
+    monkeypatch.setenv("KVTOOL_API", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("KVTOOL_API_TOKEN", "t" * 32)
+    named = f"file://{tmp_path}/named"
+    assert run("put", "k", "-", "--store", named, input=b"v").exit_code == 0
+    assert run("get", "k", "--store", named).stdout_bytes == b"v"
+    through_api = run("ls")  # no --store: the API, which does not answer
+    assert through_api.exit_code != 0 and "kvtool API at http://127.0.0.1:9" in through_api.stderr

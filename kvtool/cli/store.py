@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,22 +35,28 @@ store_app = typer.Typer(
     no_args_is_help=True,
 )
 
+STORE_ENV, API_ENV = "KVTOOL_STORE", "KVTOOL_API"
 STORE_OPTION = typer.Option(
     None,
     "--store",
     "-s",
-    envvar="KVTOOL_STORE",
     show_default=False,
     help="Store URL, or comma-separated URLs fastest tier first: memory://?capacity=2GiB, "
     "file:///path?capacity=100GiB, redis://host:6379/0?ttl=3600, redis+cluster://host:7000,host2:7000/?ttl=3600. "
-    "Default: a file store in $XDG_CACHE_HOME/kvtool/store (~/.cache/kvtool/store). "
+    "Default: $KVTOOL_STORE, else a file store in $XDG_CACHE_HOME/kvtool/store (~/.cache/kvtool/store). "
     "Only `put` creates a store; every other command needs one that exists.",
 )
-
-API_OPTION = typer.Option(
-    None, "--api", envvar="KVTOOL_API", show_default=False,
+#: --api of the commands that act on a store or a server (``--api`` or --store on the command line win
+#: over $KVTOOL_API, which wins over $KVTOOL_STORE).
+TARGET_API_OPTION = typer.Option(
+    None, "--api", show_default=False,
     help="Act on the store of a kvtool API server instead of --store: http://127.0.0.1:8470 "
-    "(the default of `kvtool serve`) or unix:///PATH.",
+    "(the default of `kvtool serve`) or unix:///PATH. Default: $KVTOOL_API when no --store is given.",
+)
+#: --api of the commands only a server has.
+API_OPTION = typer.Option(
+    None, "--api", envvar=API_ENV, show_default=False,
+    help="URL of the kvtool API server: http://127.0.0.1:8470 (the default of `kvtool serve`) or unix:///PATH.",
 )
 TOKEN_FILE_OPTION = typer.Option(
     None, "--token-file", show_default=False,
@@ -67,9 +74,20 @@ def _server(api: Optional[str], token_file: Optional[Path]) -> Iterator[ApiTarge
         target.close()
 
 
+def _chosen(store: Optional[str], api: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(store, api) to act on: an option on the command line wins over a variable, ``--api`` over
+    ``--store``, and ``KVTOOL_API`` over ``KVTOOL_STORE`` (a server was asked for by name)."""
+    if api or store:
+        return (None, api) if api else (store, None)
+    if os.environ.get(API_ENV):
+        return None, os.environ[API_ENV]
+    return os.environ.get(STORE_ENV) or None, None
+
+
 @contextmanager
 def _target(store: Optional[str], api: Optional[str], token_file: Optional[Path], **mode: bool) -> Iterator[Target]:
-    target = open_target(store, api, token_file, **mode)
+    chosen_store, chosen_api = _chosen(store, api)
+    target = open_target(chosen_store, chosen_api, token_file, **mode)
     try:
         yield target
     finally:
@@ -85,7 +103,7 @@ def put(
         None, "--tokens", min=0, show_default=False,
         help="Tokens of KV cache the value holds (kept as metadata). Default: read from a .kvz value's header.",
     ),
-    api: Optional[str] = API_OPTION,
+    api: Optional[str] = TARGET_API_OPTION,
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
@@ -128,7 +146,7 @@ def get(
     key: str = typer.Argument(..., help="Key to read."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the value here instead of standard output."),
     store: Optional[str] = STORE_OPTION,
-    api: Optional[str] = API_OPTION,
+    api: Optional[str] = TARGET_API_OPTION,
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
 ):
     """Write the value stored under KEY to standard output or a file; exit 1 if there is none."""
@@ -148,7 +166,7 @@ def get(
 
 
 @store_app.command("ls", cls=Command)
-def ls(store: Optional[str] = STORE_OPTION, api: Optional[str] = API_OPTION,
+def ls(store: Optional[str] = STORE_OPTION, api: Optional[str] = TARGET_API_OPTION,
        token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION):
     """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
     with _target(store, api, token_file, reads_only=True) as target:
@@ -171,7 +189,7 @@ def stats(
     prometheus: bool = typer.Option(
         False, "--prometheus", help="Print Prometheus text exposition format (needs the metrics extra)."
     ),
-    api: Optional[str] = API_OPTION,
+    api: Optional[str] = TARGET_API_OPTION,
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
 ):
     """What the store holds, per tier: entries, bytes, capacity (reads only: changes nothing).
@@ -227,7 +245,7 @@ def _report(answer: dict[str, Any], json_out: bool) -> None:
 def evict(
     keys: list[str] = typer.Argument(..., help="Keys to remove."),
     store: Optional[str] = STORE_OPTION,
-    api: Optional[str] = API_OPTION,
+    api: Optional[str] = TARGET_API_OPTION,
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
@@ -312,7 +330,7 @@ def lookup(
     tp_size: Optional[int] = typer.Option(None, "--tp-size", min=1, help="vllm: tensor-parallel size."),
     hash_algo: Optional[str] = typer.Option(None, "--hash-algo", help="vllm: prefix_caching_hash_algo (sha256_cbor)."),
     store: Optional[str] = STORE_OPTION,
-    api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
+    api: Optional[str] = TARGET_API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
 ):
     """How many tokens of a prompt are stored, and in which tiers (through the API with --api, else in --store)."""
     fields: dict[str, Any] = dict(model=model, salt=salt, recipe=recipe, chunk_tokens=chunk_tokens, scheme=scheme,
