@@ -28,7 +28,8 @@ def test_put_get_round_trip_through_files_and_pipes(run, tmp_path):
     assert run("put", "from-file", str(source), "--tokens", "12").exit_code == 0
     assert run("put", "from-stdin", "-", input=b"\x00piped\xff").exit_code == 0
     out = tmp_path / "out.bin"
-    assert run("get", "from-file", "-o", str(out)).exit_code == 0
+    got = run("get", "from-file", "-o", str(out))
+    assert got.exit_code == 0 and got.stdout == f"wrote 'from-file' from file://{tmp_path}/store to {out}: 2.5 KiB\n"
     assert out.read_bytes() == source.read_bytes()
     result = run("get", "from-stdin")
     assert result.exit_code == 0 and result.stdout_bytes == b"\x00piped\xff"
