@@ -112,7 +112,6 @@ def put(
     from kvtool.dtypes import register_numpy_types
 
     register_numpy_types()
-
     started = time.perf_counter()
     log.info("reading %s", "standard input" if source == "-" else source)
     data = typer.get_binary_stream("stdin").read() if source == "-" else existing_file(Path(source)).read_bytes()
