@@ -39,6 +39,7 @@ from typing import Iterator
 
 import numpy as np
 
+from kvtool.errors import KvtoolError
 from kvtool.store import PrefixKeyer, StoreEvent, TieredStore, open_store
 
 SAMPLE = Path(__file__).resolve().parents[1] / "samples" / "prose.safetensors"
@@ -80,6 +81,15 @@ def print_api_event(event: dict) -> None:
 
 
 def main() -> None:
+    """Run the session; a problem a user can cause (a bad URL, a server that does not answer) is one line."""
+    try:
+        session()
+    except KvtoolError as exc:
+        print(f"agent_session: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+def session() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", help="store URL(s), fastest first; default: 64 MiB of memory over a temporary file tier")
     parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per store entry (default: 64)")
@@ -100,6 +110,8 @@ def main() -> None:
         if not isinstance(store, TieredStore):
             store = TieredStore([store])
         with store:
+            for tier in store.tiers:  # a tier that is down would turn the whole session into misses
+                tier.check_reachable()
             run_session(store, args.chunk_tokens)
 
 
@@ -113,6 +125,8 @@ def run_session(store: TieredStore, chunk_tokens: int) -> None:
     print("\n1. the agent runs its prompt: the cache is stored and pinned while the model uses it")
     keys = keyer.keys(prompt)
     stored = store.put_prefix(keyer, prompt, chunks)
+    if stored < len(keys):
+        raise KvtoolError(f"stored {stored} of the prompt's {len(keys)} entries (the store logged why)")
     for key in keys[:stored]:
         store.pin(key)
 
@@ -133,6 +147,8 @@ def run_session(store: TieredStore, chunk_tokens: int) -> None:
     hit = store.get_prefix(keyer, prompt + tool_output)
     print(f"  restored {hit.tokens} of {len(prompt) + len(tool_output)} tokens from {len(hit.values)} entries; "
           f"{len(prompt) + len(tool_output) - hit.tokens} tokens to recompute")
+    if not hit.values:
+        raise KvtoolError("nothing of the prompt was restored (the store logged why)")
     print(f"  restored bytes identical to the stored ones: {hit.values == chunks[:len(hit.values)]}")
 
     stats = store.stats()
@@ -186,6 +202,8 @@ def run_session_over_api(api, chunk_tokens: int) -> None:
     values = [api.get(key) for key in found["keys"]]
     print(f"  restored {found['stored_tokens']} of {found['tokens']} tokens from {len(values)} entries; "
           f"{found['tokens'] - found['stored_tokens']} tokens to recompute")
+    if not values:
+        raise KvtoolError("nothing of the prompt was restored (the server logged why)")
     print(f"  restored bytes identical to the stored ones: {values == chunks[:len(values)]}")
     stats = api.stats()
     print(f"\nevents: {stats['events']}")

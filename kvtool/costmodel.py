@@ -128,7 +128,11 @@ def ttft_restore(inputs: Inputs, tier: Tier, codec: CodecCost, cached: int, tota
     return restore_seconds(inputs, tier, codec, cached) + inputs.prefill.suffix(cached, total)
 
 
-def break_even(inputs: Inputs, tier: Tier, codec: CodecCost, limit: int = 1 << 20) -> int | None:
+#: How far ``break_even`` looks: beyond this many tokens a "never" is reported.
+BREAK_EVEN_LIMIT = 1 << 20
+
+
+def break_even(inputs: Inputs, tier: Tier, codec: CodecCost, limit: int = BREAK_EVEN_LIMIT) -> int | None:
     """The smallest context from which restoring it is faster than recomputing it, for every longer context.
 
     Both sides leave out the fixed per-request prefill time, paid either way.
@@ -188,17 +192,29 @@ def break_even_table(inputs: Inputs) -> list[dict[str, Any]]:
 
 
 def shape_from_config(path: str | Path, dtype: str = "bf16") -> ModelShape:
-    """Layers, KV heads and head dim from a Hugging Face ``config.json``."""
+    """Layers, KV heads and head dim from a Hugging Face ``config.json``, named after the model."""
     config = json.loads(Path(path).read_text())
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
     return ModelShape(
-        name=config.get("_name_or_path") or Path(path).parent.name,
+        name=_model_name(config, Path(path)),
         layers=config["num_hidden_layers"],
         kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         dtype=dtype,
     )
+
+
+def _model_name(config: dict[str, Any], path: Path) -> str:
+    """The model a config describes: its ``_name_or_path``; the ``models--ORG--NAME`` folder of a
+    Hugging Face cache it lies in; its architecture (``Qwen3ForCausalLM``); else its folder's name."""
+    if config.get("_name_or_path"):
+        return str(config["_name_or_path"])
+    for folder in path.absolute().parents:
+        if folder.name.startswith("models--"):
+            return folder.name[len("models--"):].replace("--", "/")
+    architectures = config.get("architectures") or []
+    return str(architectures[0]) if architectures else str(config.get("model_type") or path.parent.name)
 
 
 def shape_from_gguf(path: str | Path, dtype: str = "bf16") -> ModelShape:
@@ -285,7 +301,7 @@ def calibrate(ttft_result: dict[str, Any], model: ModelShape) -> Inputs:
         codecs=[CodecCost(c, sum(r for r, _, _ in v) / sum(s for _, s, _ in v), sum(r for r, _, _ in v) / sum(d for _, _, d in v)) for c, v in codecs.items()],
         build_rate=sum(r for r, _ in build) / sum(s for _, s in build),
         chunk_tokens=ttft_result.get("chunk_tokens", 256),
-        sources={"all": "measured in the kvtool bench ttft run given"},
+        sources={what: "measured in the kvtool bench ttft run given" for what in ("prefill", "tiers", "codecs", "build_rate")},
     )
 
 
@@ -307,33 +323,3 @@ def validate(ttft_result: dict[str, Any], inputs: Inputs) -> list[dict[str, Any]
                 "predicted_s": predicted, "error": predicted / r["ttft_s"] - 1,
             })
     return rows
-
-
-MEASURED_HERE = "measured by `kvtool bench ttft` (HF engine, SmolLM2-135M, bf16 KV) on a shared 2-core AMD EPYC VM; see BENCHMARKS.md, section Restore beats recompute"
-
-
-# From benchmarks/results/ttft_hf_2048.json (`kvtool plan --calibrate` on it, fastest of 3 repeats),
-# except "default": that run's default (channel-major|byteplane|zstd:huff,lo=none) decoded at
-# 0.137 GB/s; exphuff, the default since, costs 2.7-3.0x less CPU per GB in kvtool.load
-# (benchmarks/load_bench.py, both in one run), so 0.137 x 2.85 GB/s, at its ratio on 4096-token caches.
-PREFILL_HERE = (0.110, 2.66e-3, 1.18e-7)
-TIERS_HERE = [("memory", 9.6e9, 0.0), ("file", 4.7e9, 0.0), ("redis", 1.04e9, 0.0)]
-CODECS_HERE = [("none", 0.998, 0.38e9), ("default", 1.505, 0.39e9), ("qat", 1.391, 0.169e9)]
-BUILD_RATE_HERE = 1.56e9
-
-
-def default_inputs(model: ModelShape) -> Inputs:
-    """Tiers, codecs, build rate and prefill as measured on kvtool's 2-core development VM (SmolLM2 on CPU).
-
-    Stand-ins for when nothing better is given: pass --calibrate, --tier,
-    --codec, --prefill-* and --build-gbps for another machine or model.
-    """
-    return Inputs(
-        model=model,
-        prefill=Prefill(*PREFILL_HERE),
-        tiers=[Tier(name, rate, latency) for name, rate, latency in TIERS_HERE],
-        codecs=[CodecCost(name, ratio, rate) for name, ratio, rate in CODECS_HERE],
-        build_rate=BUILD_RATE_HERE,
-        chunk_tokens=128,
-        sources={"all": MEASURED_HERE},
-    )

@@ -19,6 +19,10 @@ class KvtoolError(Exception):
     exit_code = 1
 
 
+class MissingStoreError(KvtoolError):
+    """A store that was to be opened as it is, and is not there (``open_store(..., create=False)``)."""
+
+
 class UsageError(KvtoolError):
     """The caller asked for something that cannot be done (bad spec, bad option)."""
 

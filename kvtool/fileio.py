@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import os
 import re
 import secrets
@@ -51,16 +50,29 @@ def _require_regular(path: str | os.PathLike, mode: int) -> None:
         raise UsageError(f"{os.fspath(path)}: not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'a special file')})")
 
 
+def check_output(path: str | os.PathLike) -> None:
+    """Raise ``UsageError`` unless ``path`` can be written as a file: its folder exists, and it is not a
+    directory (nor a link to one, which a rename would replace by the file)."""
+    path = Path(path)
+    if path.is_dir():
+        link = " (a symbolic link to a directory)" if path.is_symlink() else ""
+        raise UsageError(f"the output {path} is a directory{link}; name a file in it")
+    if not path.parent.is_dir():
+        why = "is not a directory" if path.parent.exists() else "does not exist"
+        raise UsageError(f"cannot write {path}: the folder {path.parent} {why}")
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Write to a temporary file beside ``path``; fsync and rename it into place on success.
 
     On any exception the temporary file is removed and ``path`` is left untouched.
     The temporary file is locked (``flock``) while it is written, so one left by a
-    killed process is recognised, unlocked, and removed by the next write to ``path``.
+    killed process is recognised, unlocked, and removed by the next write in the same folder.
     """
     path = Path(path)
-    _remove_abandoned_parts(path)
+    check_output(path)
+    _remove_abandoned_parts(path.parent)
     token = secrets.token_hex(6)
     tmp = path.parent / f".{path.name}.{token}.part"
     # Locked under another name first, so no file named .part is ever unlocked while its writer lives.
@@ -90,12 +102,15 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
-def _remove_abandoned_parts(path: Path) -> None:
-    """Remove temporary files of earlier writes to ``path`` whose writer died (their lock is free)."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{12}}\.part")
+#: The temporary file of an atomic write: ``.NAME.<12 hex digits>.part``.
+_PART = re.compile(r"\..+\.[0-9a-f]{12}\.part", re.DOTALL)
+
+
+def _remove_abandoned_parts(folder: Path) -> None:
+    """Remove temporary files of earlier writes in ``folder`` whose writer died (their lock is free)."""
     with contextlib.suppress(OSError):
-        for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.part"):
-            if pattern.fullmatch(candidate.name):
+        for candidate in folder.glob(".*.part"):
+            if _PART.fullmatch(candidate.name):
                 _remove_if_unlocked(candidate)
 
 

@@ -144,7 +144,9 @@ def _parse_codec_stage(stage: str, spec: str) -> tuple[Codec, dict[str, Codec]]:
         if codec_id not in codec_registry.ids():
             hint = ""
             if codec_id in layout_registry.ids():
-                hint = f"; {codec_id!r} is a layout: end the recipe with a codec stage such as '|zstd:1' or '|none'"
+                hint = (f"; {codec_id!r} is a layout: end the recipe with a codec stage such as '|zstd:1' or '|none'"
+                        + ("" if "|" in spec else f", and quote the whole recipe ('{spec}|zstd:1'): unquoted, "
+                           "a shell reads '|' as a pipe and drops what follows it"))
             raise UsageError(
                 f"recipe {spec!r}: last stage {part!r} is not a codec{hint} (codecs: {', '.join(codec_registry.ids())})"
             )

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from safetensors import safe_open
 
-from kvtool.dtypes import DType, dtype_of
+from kvtool.dtypes import DType, dtype_of, register_numpy_types
 from kvtool.errors import DecodeError, UsageError
 from kvtool.facts import AXES, ModelFacts
 from kvtool.fileio import atomic_write, check_regular
@@ -146,6 +146,7 @@ def _read_tensor(f: Any, name: str, tokens: slice | None, path: Path) -> tuple[n
     sl = f.get_slice(name)
     shape = sl.get_shape()
     dtype = dtype_of(sl.get_dtype())
+    register_numpy_types()  # safetensors names the numpy type by its name
     batched = len(shape) == 4 and shape[0] == 1
     if not batched and len(shape) != 3:
         raise UsageError(f"{path}: tensor {name} has shape {shape}; expected {list(AXES)} or [1, {', '.join(AXES)}]")

@@ -143,6 +143,54 @@ def test_peers_run_on_the_same_blocks(small_sample):
         assert result["status"] == "ok" or "not installed" in result["reason"]
 
 
+def test_a_missing_peer_is_a_row_naming_its_install_line(small_sample, monkeypatch):
+    """A peer not installed, or installed without what it imports (zipnn without torch), is
+    reported with the command that brings it; the benchmark still measures everything else."""
+    from kvtool.bench import peers as peer_tools
+
+    def needs_torch(dtype, itemsize):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    fake = (
+        peer_tools.Peer("absent", "no_such_module_for_kvtool", peer_tools._memcpy, install="pip install absent"),
+        peer_tools.Peer("half installed", "json", needs_torch, install="pip install 'kvtool[zipnn]'"),
+    )
+    monkeypatch.setattr(peer_tools, "PEERS", (peer_tools.PEERS[0], *fake))
+    (file,) = json.loads(bench(small_sample, "--json", "-r", "zstd:3", peers=True).stdout)["files"]
+    absent, half = file["results"][2:]
+    assert (absent["status"], half["status"]) == ("unavailable", "unavailable")
+    assert absent["reason"] == "no_such_module_for_kvtool is not installed (pip install absent)"
+    assert "cannot import torch" in half["reason"] and "pip install 'kvtool[zipnn]'" in half["reason"]
+    table = bench(small_sample, "-r", "zstd:3", peers=True).stdout
+    assert "unavailable: json is not installed: it cannot import torch (pip install 'kvtool[zipnn]')" in table
+
+
+def test_the_zipnn_peer_names_an_install_that_pulls_cpu_torch():
+    (zipnn,) = [p for p in PEERS if p.module == "zipnn"]
+    assert "download.pytorch.org/whl/cpu" in zipnn.install and "kvtool[zipnn]" in zipnn.install
+
+
+def test_the_bench_extra_pulls_no_torch():
+    """The quick start installs the bench and isal extras: nothing in them may need torch (zipnn does)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    extras = {m[1]: re.findall(r'"([A-Za-z0-9_.-]+)', m[2]) for m in re.finditer(r"(?m)^(\w+) = \[(.*)\]$", text)}
+    assert extras["bench"] and extras["isal"] and extras["zipnn"] == ["zipnn"]
+    assert not {"torch", "zipnn"} & set(extras["bench"] + extras["isal"])
+
+
+def test_table_columns_keep_their_decimals():
+    """A speed that crosses 10 or 1000 does not change how many decimals its column shows."""
+    from kvtool.bench.report import column_decimals
+    from kvtool.cli._common import format_table
+
+    rows = [{"recipe": "a", "comp MB/s": 9.5}, {"recipe": "b", "comp MB/s": 1234.5}]
+    lines = format_table(rows, ["recipe", "comp MB/s"], decimals=column_decimals(2)).splitlines()[1:]
+    assert [line.split() for line in lines] == [["a", "9.5"], ["b", "1234.5"]]
+
+
 def test_csv_has_one_row_per_file_and_recipe(small_sample):
     out = bench(small_sample, small_sample, "--csv", "-r", "zstd:3 lz4").stdout
     rows = list(csv.DictReader(io.StringIO(out)))

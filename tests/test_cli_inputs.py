@@ -313,6 +313,44 @@ def test_a_killed_run_leaves_a_partial_file_the_next_run_removes(big_cache, samp
     assert [p.name for p in tmp_path.iterdir()] == ["out.kvz"]
 
 
+def test_a_killed_runs_partial_file_is_removed_by_the_next_write_in_its_folder(big_cache, samples, tmp_path):
+    proc = start_slow_compress(big_cache, tmp_path / "killed.kvz")
+    proc.kill()
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    (tmp_path / ".notes.txt.part").write_bytes(b"not kvtool's")  # not an atomic write's name: left alone
+    assert run("compress", samples[0], tmp_path / "other.kvz").exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.txt.part", "other.kvz"]
+
+
+def test_outputs_that_cannot_be_files_are_refused_before_any_work(samples, tmp_path):
+    (tmp_path / "real-dir").mkdir()
+    (tmp_path / "link-to-dir").symlink_to(tmp_path / "real-dir")
+    (tmp_path / "a-file").write_bytes(b"x")
+    cases = {
+        tmp_path / "no-dir" / "x.kvz": f"cannot write {tmp_path}/no-dir/x.kvz: the folder {tmp_path}/no-dir does not exist",
+        tmp_path / "a-file" / "x.kvz": f"cannot write {tmp_path}/a-file/x.kvz: the folder {tmp_path}/a-file is not a directory",
+        tmp_path / "link-to-dir": f"the output {tmp_path}/link-to-dir is a directory (a symbolic link to a directory); name a file in it",
+        tmp_path / "real-dir": f"the output {tmp_path}/real-dir is a directory; name a file in it",
+    }
+    store = f"file://{tmp_path}/store"
+    assert run("store", "put", "k", "-", "--store", store, input=b"value").exit_code == 0
+    for out, message in cases.items():
+        for args in (["compress", samples[0], out], ["store", "get", "k", "-o", out, "--store", store]):
+            result = run(*args)
+            assert result.exit_code == 2, result.output
+            assert result.stderr.strip() == f"kvtool: error: {message}", result.stderr
+    assert (tmp_path / "link-to-dir").is_symlink() and list((tmp_path / "real-dir").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "link-to-dir", "real-dir", "store"]
+
+
+def test_a_thread_count_no_machine_has_is_refused(samples, tmp_path):
+    for args in (["compress", samples[0], tmp_path / "x.kvz"], ["bench", samples[0], "-r", "zstd:3"]):
+        result = run(*args, "--threads", "100000")
+        assert result.exit_code == 2 and "--threads" in result.stderr and "1024" in result.stderr
+    assert not (tmp_path / "x.kvz").exists()
+
+
 @pytest.mark.parametrize("plant", ["fifo", "directory"])
 def test_special_files_planted_in_a_file_store(tmp_path, plant):
     store = tmp_path / "store"
@@ -325,3 +363,12 @@ def test_special_files_planted_in_a_file_store(tmp_path, plant):
     if isinstance(result.exception, StillRunning):
         raise result.exception
     assert result.exit_code == 0 and [r["key"] for r in json.loads(result.stdout)] == ["k"], result.output
+
+
+def test_a_recipe_cut_by_the_shell_is_told_to_quote_it(samples, tmp_path):
+    """`--recipe byteplane|zstd:1` unquoted reaches kvtool as 'byteplane': the advice says to quote it."""
+    result = run("compress", samples[0], tmp_path / "x.kvz", "--recipe", "byteplane")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "quote the whole recipe ('byteplane|zstd:1')" in result.stderr
+    whole = run("compress", samples[0], tmp_path / "x.kvz", "--recipe", "byteplane|channel-major")
+    assert whole.exit_code == 2 and "quote" not in whole.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import kvtool
@@ -46,6 +47,37 @@ def test_a_command_imports_only_its_own_module():
                  "assert CliRunner().invoke(app, ['codecs', '--json']).exit_code == 0; "
                  "print(sorted(m for m in ('kvtool.bench.matrix', 'kvtool.cli.bench', 'kvtool.cli.store') if m in sys.modules))")
     assert out.strip() == "[]"
+
+
+def test_help_lists_every_command_without_importing_one():
+    out = python("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
+                 "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0, r.output; "
+                 "print(sorted(m for m in sys.modules if m.startswith('kvtool.cli.') and m not in "
+                 "('kvtool.cli.root', 'kvtool.cli._common')), 'numpy' in sys.modules)")
+    assert out.strip() == "[] False"
+
+
+def test_the_listed_help_of_each_command_is_its_own():
+    """``kvtool --help`` lists commands from a table; each line must be the command's docstring's first."""
+    from kvtool.cli.root import COMMANDS, app as root_app
+
+    group = typer.main.get_group(root_app)
+    for name, (_, listed) in COMMANDS.items():
+        command = group.get_command(None, name)
+        assert command.get_short_help_str(limit=10_000) == listed, name
+
+
+def test_commands_that_hold_no_cache_load_no_ml_dtypes(tmp_path):
+    """ml_dtypes costs most of a start-up (0.7 s of CPU): commands that never hold a cache's values skip it."""
+    store = f"file://{tmp_path}/store"
+    assert run("store", "put", "k", "-", "--store", store, input=b"v").exit_code == 0
+    out = python("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
+                 "run = lambda *a: CliRunner().invoke(app, list(a)).exit_code; "
+                 f"assert run('codecs') == 0 and run('store', 'ls', '--store', {store!r}) == 0; "
+                 "assert run('plan', '--layers', '2', '--kv-heads', '1', '--head-dim', '8', '--hardware', 'h800', "
+                 "'--prefill-tps', '100') == 0; "
+                 "print('ml_dtypes' in sys.modules)")
+    assert out.strip() == "False"
 
 
 def test_import_kvtool_store_needs_no_numpy():
@@ -184,7 +216,8 @@ def test_bench_marks_the_best_ratio_and_explains_its_columns(samples, tmp_path):
 
 
 def test_plan_prints_tables_with_readable_sizes():
-    text = run("plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128").stdout
+    text = run("plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--hardware", "h800",
+               "--prefill-tps", "15000").stdout
     assert "{" not in text  # no Python dict
     assert "128.0 KiB/token" in text and "256.0 GiB" in text  # 64 sessions x 32768 tokens x 128 KiB
     assert "Break-even" in text and "Time to first token" in text
@@ -227,3 +260,22 @@ def _unpacked_roots_of_this_run() -> list[Path]:
 
     env = os.environ.get("KVTOOL_QATZIP_LIB")
     return _qatzip._unpacked_roots() + ([Path(env).parents[3]] if env else [])
+
+
+def test_verbose_logs_each_step_of_compress_verify_and_store_put(tmp_path, samples):
+    kvz = tmp_path / "c.kvz"
+    steps = {
+        ("compress", samples[0], kvz): ["reading the KV cache", "read 30 layers x K/V of 256 tokens", "encoding with exphuff",
+                                        "wrote "],
+        ("verify", kvz, "--full"): ["reading the header and index", "checking every checksum, then decoding every chunk"],
+        ("store", "put", "k", kvz, "--store", f"memory://,file://{tmp_path}/s"): [
+            "reading ", "a .kvz of 256 tokens", "opening the store", "memory://", "file://", "putting 'k'", "closing "],
+    }
+    for args, expected in steps.items():
+        quiet, verbose = run(*args), run("-v", *args)
+        assert quiet.exit_code == verbose.exit_code == 0, verbose.output
+        assert "INFO" not in quiet.stderr
+        logged = [line for line in verbose.stderr.splitlines() if line.startswith("kvtool: INFO kvtool.cli.")]
+        assert len(logged) == len(expected), logged
+        for line, phrase in zip(logged, expected):
+            assert phrase in line, (line, phrase)

@@ -114,3 +114,74 @@ def test_cli_needs_a_model_shape():
     result = CliRunner().invoke(app, ["plan", "--layers", "36"])
     assert result.exit_code != 0
     assert "--kv-heads" in result.output
+
+
+def plan(*args):
+    return CliRunner().invoke(app, ["plan", *map(str, args)])
+
+
+QWEN3_8B_ARGS = ["--layers", "36", "--kv-heads", "8", "--head-dim", "128"]
+
+
+def test_a_plan_without_hardware_asks_for_it():
+    result = plan(*QWEN3_8B_ARGS, "--name", "Qwen3-8B")
+    assert result.exit_code == 2
+    assert "--hardware (dev-vm, h800; docs/PLAN.md)" in result.stderr and "--build-gbps" in result.stderr
+    only_some = plan(*QWEN3_8B_ARGS, "--prefill-tps", "15000", "--tier", "nvme:6.5")
+    assert only_some.exit_code == 2 and "--codec or --bench-json, --build-gbps" in only_some.stderr
+    assert "--prefill" not in only_some.stderr.split("or")[-1]
+
+
+def test_a_preset_lends_its_prefill_only_to_its_own_models():
+    """The 2-core VM's prefill was measured on SmolLM2: Qwen3-8B on that preset needs its own."""
+    refused = plan(*QWEN3_8B_ARGS, "--name", "Qwen3-8B", "--hardware", "dev-vm")
+    assert refused.exit_code == 2
+    assert "dev-vm has a prefill only for SmolLM2-135M, not 'Qwen3-8B'" in refused.stderr
+    own = json.loads(plan(*QWEN3_8B_ARGS, "--name", "Qwen3-8B", "--hardware", "dev-vm", "--prefill-tps", "15000",
+                          "--json").stdout)
+    assert own["inputs"]["prefill"] == {"a": 0.0, "b": 1 / 15000, "c": 0.0}
+    assert own["inputs"]["sources"]["prefill"] == "--prefill-tps"
+    assert own["inputs"]["sources"]["tiers"] == "--hardware dev-vm"
+    smol = json.loads(plan("--layers", 30, "--kv-heads", 3, "--head-dim", 64, "--name", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                           "--hardware", "dev-vm", "--json").stdout)
+    assert smol["inputs"]["prefill"] == {"a": 0.110, "b": 2.66e-3, "c": 1.18e-7}
+    qwen = json.loads(plan(*QWEN3_8B_ARGS, "--name", "Qwen3-8B", "--hardware", "h800", "--json").stdout)
+    assert qwen["inputs"]["prefill"]["b"] == 6.67e-5 and qwen["inputs"]["build_rate"] == 50e9
+    assert plan(*QWEN3_8B_ARGS, "--hardware", "a100").stderr.startswith("kvtool: error: unknown --hardware 'a100'")
+
+
+def test_a_measured_run_lends_its_prefill_only_to_its_model():
+    refused = plan(*QWEN3_8B_ARGS, "--name", "Qwen3-8B", "--calibrate", MEASURED)
+    assert refused.exit_code == 2 and "measured 'SmolLM2-135M-Instruct.Q4_1', not 'Qwen3-8B'" in refused.stderr
+    same = plan("--layers", 30, "--kv-heads", 3, "--head-dim", 64, "--name", "SmolLM2-135M", "--calibrate", MEASURED, "--json")
+    assert same.exit_code == 0
+    assert json.loads(same.stdout)["inputs"]["sources"]["prefill"] == "measured in the kvtool bench ttft run given"
+
+
+def test_the_report_prints_its_inputs_first_and_says_never():
+    text = plan(*QWEN3_8B_ARGS, "--prefill-tps", "1e9", "--tier", "slow:1:5", "--codec", "none:1:1",
+                "--build-gbps", "1", "--contexts", "1024").stdout
+    lines = text.splitlines()
+    assert lines[0] == "kvtool plan for model: model output (kvtool plan), not a measurement. Inputs:"
+    assert [line.split()[0] for line in lines[1:6]] == ["model", "prefill", "tiers", "codecs", "build"]
+    assert lines[3].endswith("[--tier]") and lines[2].endswith("[--prefill-tps]")
+    table = lines[lines.index(next(line for line in lines if line.startswith("Break-even"))) + 1:][:2]
+    assert table[1].split() == ["slow", "never"]
+
+
+def test_a_config_file_names_the_report_after_its_model(tmp_path):
+    config = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "hidden_size": 4096, "architectures": ["Qwen3ForCausalLM"]}
+    plain = tmp_path / "DIR" / "config.json"
+    cached = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "0123abc" / "config.json"
+    for path in (plain, cached):
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(config))
+    args = ["--hardware", "h800", "--contexts", "1024"]
+    assert plan("--model-config", plain, *args, "--prefill-tps", 1e4).stdout.startswith("kvtool plan for Qwen3ForCausalLM:")
+    assert plan("--model-config", cached, *args).stdout.startswith("kvtool plan for Qwen/Qwen3-8B:")  # the h800 fit
+    assert costmodel.shape_from_config(plain).name == "Qwen3ForCausalLM"
+
+
+def test_plan_help_points_to_its_documentation():
+    assert "docs/PLAN.md" in " ".join(CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "200"}).stdout.split())

@@ -137,14 +137,46 @@ def test_train_compress_and_decompress_from_the_command_line(samples, tmp_path):
     kvd = tmp_path / "code.kvd"
     report = json.loads(kvtool("train", samples[0], "-o", kvd, "--classes", "4", "--json").stdout)
     assert report["id"] == Dictionary.from_bytes(kvd.read_bytes()).id and report["bytes"] == kvd.stat().st_size
-    kvz, back = tmp_path / "prose.kvz", tmp_path / "back.safetensors"
+    (tmp_path / "elsewhere").mkdir()
+    kvz, back = tmp_path / "elsewhere" / "prose.kvz", tmp_path / "back.safetensors"
     kvtool("compress", samples[1], kvz, "--recipe", f"ctxans:{kvd}")
     elsewhere = {registry.PATH_VARIABLE: str(tmp_path / "empty")}
     failed = kvtool("decompress", kvz, back, env=elsewhere, check=False)
     assert failed.returncode == 3 and "Traceback" not in failed.stderr
-    assert failed.stderr.count("\n") == 1 and report["id"] in failed.stderr
+    assert failed.stderr.count("\n") == 1 and report["id"] in failed.stderr and "--dict FILE.kvd" in failed.stderr
     kvtool("decompress", kvz, back, env={registry.PATH_VARIABLE: str(tmp_path)})
     assert KVCache.load(back).equal_bits(KVCache.load(samples[1]))
+
+
+def test_trains_advice_works_as_printed(samples, tmp_path):
+    """`kvtool train` says how to use the dictionary and how readers find it; each way works, from a
+    fresh process, wherever the .kvz lies."""
+    out = tmp_path / "out"
+    out.mkdir()
+    printed = kvtool("train", samples[0], "-o", out / "smol.kvd", "--classes", "4").stdout
+    recipe = printed.split("Use it as --recipe ")[1].split(";")[0].strip("'")
+    assert recipe == f"ctxans:{out}/smol.kvd"
+    nowhere = {registry.PATH_VARIABLE: str(tmp_path / "nowhere")}
+    kvz = out / "code.kvz"
+    kvtool("compress", samples[1], kvz, "--recipe", recipe, env=nowhere)
+    original = KVCache.load(samples[1])
+    back = tmp_path / "back.safetensors"
+    kvtool("decompress", kvz, back, env=nowhere)  # the .kvd beside the .kvz
+    assert KVCache.load(back).equal_bits(original)
+    (tmp_path / "moved").mkdir()
+    moved = (tmp_path / "moved" / "code.kvz")
+    moved.write_bytes(kvz.read_bytes())
+    assert kvtool("verify", moved, "--full", env=nowhere, check=False).returncode == 3
+    assert "with --dict " + str(out / "smol.kvd") in printed
+    for how, env in ((["--dict", out / "smol.kvd"], nowhere), ([], {registry.PATH_VARIABLE: str(out)})):
+        assert kvtool("verify", moved, "--full", *how, env=env).returncode == 0
+        back.unlink()
+        kvtool("decompress", moved, back, *how, env=env)
+        assert KVCache.load(back).equal_bits(original)
+    again = kvtool("train", moved, "-o", tmp_path / "again.kvd", "--classes", "4", "--dict", out / "smol.kvd", env=nowhere)
+    assert again.returncode == 0
+    bad = kvtool("decompress", moved, back, "--dict", samples[0], env=nowhere, check=False)
+    assert bad.returncode == 2 and "is not a model dictionary" in bad.stderr
 
 
 # -- stores -------------------------------------------------------------------------------------

@@ -872,6 +872,25 @@ def test_agent_session_example_runs(tmp_path):
     assert "identical to the stored ones: True" in result.stdout
 
 
+def test_agent_session_example_fails_in_one_line(tmp_path):
+    """A bad store URL, or a Redis tier that does not answer, is one line and its exit code, never a
+    traceback or a success reported over nothing restored."""
+    import socket
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent_session.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url, code, message in (("bogus://x", 2, "unknown store 'bogus'"),
+                               (f"memory://,redis://127.0.0.1:{port}/0?timeout=0.5&connect_timeout=0.5", 3,
+                                "cannot reach the redis store")):
+        result = subprocess.run([sys.executable, str(example), "--store", url], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path)
+        assert result.returncode == code, result.stderr
+        assert result.stderr.startswith(f"agent_session: error: {message}") and result.stderr.count("\n") == 1
+        assert "identical" not in result.stdout
+
+
 def test_tier_profile_follows_measurements():
     profile = TierProfile(latency_s=1e-3, bandwidth=1e9)
     for _ in range(50):

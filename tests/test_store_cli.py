@@ -28,7 +28,8 @@ def test_put_get_round_trip_through_files_and_pipes(run, tmp_path):
     assert run("put", "from-file", str(source), "--tokens", "12").exit_code == 0
     assert run("put", "from-stdin", "-", input=b"\x00piped\xff").exit_code == 0
     out = tmp_path / "out.bin"
-    assert run("get", "from-file", "-o", str(out)).exit_code == 0
+    got = run("get", "from-file", "-o", str(out))
+    assert got.exit_code == 0 and got.stdout == f"wrote 'from-file' from file://{tmp_path}/store to {out}: 2.5 KiB\n"
     assert out.read_bytes() == source.read_bytes()
     result = run("get", "from-stdin")
     assert result.exit_code == 0 and result.stdout_bytes == b"\x00piped\xff"
@@ -119,3 +120,14 @@ def test_stats_in_prometheus_format(run):
     assert 'kvtool_store_entries{tier="file"} 1.0' in text
     assert "# TYPE kvtool_store_evictions_total counter" in text
     assert 'kvtool_store_used_bytes{tier="file"}' in text
+
+
+def test_a_store_named_on_the_command_line_wins_over_kvtool_api(run, tmp_path, monkeypatch):
+    """KVTOOL_API (exported for the scheduling verbs) does not redirect a command given --store."""
+    monkeypatch.setenv("KVTOOL_API", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("KVTOOL_API_TOKEN", "t" * 32)
+    named = f"file://{tmp_path}/named"
+    assert run("put", "k", "-", "--store", named, input=b"v").exit_code == 0
+    assert run("get", "k", "--store", named).stdout_bytes == b"v"
+    through_api = run("ls")  # no --store: the API, which does not answer
+    assert through_api.exit_code != 0 and "kvtool API at http://127.0.0.1:9" in through_api.stderr

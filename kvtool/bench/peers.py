@@ -3,13 +3,16 @@
 Each peer compresses the cache cut into the same blocks as a .kvz (a tensor's
 ``chunk_tokens`` tokens, C order), block by block on one thread, and must give
 the bytes back. ``memcpy`` copies the blocks into a buffer allocated once: the
-physical limit of any restore. ZipNN and Blosc2 are optional (the ``bench``
-extra); a missing one is reported, not skipped silently.
+physical limit of any restore. Blosc2 is in the ``bench`` extra; ZipNN, which
+needs torch, has an extra of its own (``zipnn``), so the benchmark's own install
+pulls no torch. A peer that is missing, or cannot be imported, is a row naming
+what to install, never a failure or a silent gap.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +30,7 @@ class Peer:
     name: str
     module: str | None  # the import it needs, if any
     build: Callable[[str, int], Codec | str]  # (dtype name, itemsize) -> codec, or the reason it does not apply
+    install: str = "pip install 'kvtool[bench]'"  # what brings ``module``
 
 
 def _memcpy(dtype: str, itemsize: int) -> Codec:
@@ -61,7 +65,9 @@ def _blosc2(dtype: str, itemsize: int) -> Codec:
 
 
 def _zipnn(dtype: str, itemsize: int) -> Codec | str:
-    from zipnn import ZipNN
+    with warnings.catch_warnings():  # torch warns about its own deprecations as zipnn imports it
+        warnings.simplefilter("ignore", FutureWarning)
+        from zipnn import ZipNN
 
     formats = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
     if dtype not in formats:
@@ -71,12 +77,15 @@ def _zipnn(dtype: str, itemsize: int) -> Codec | str:
     return (lambda block: codec.compress(bytearray(block))), codec.decompress
 
 
+#: ZipNN needs torch; from PyPI a bare torch is the CUDA build (gigabytes), so the CPU build goes first.
+ZIPNN_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install 'kvtool[zipnn]'"
+
 PEERS = (
     Peer("memcpy", None, _memcpy),
     Peer("lz4 frame", "lz4", _lz4),
     Peer("zstd:3 frame", "zstandard", _zstd3),
     Peer("blosc2 shuffle+zstd:1", "blosc2", _blosc2),
-    Peer("ZipNN", "zipnn", _zipnn),
+    Peer("ZipNN", "zipnn", _zipnn, install=ZIPNN_INSTALL),
 )
 
 
@@ -92,5 +101,8 @@ def blocks_of(cache: KVCache, chunk_tokens: int) -> list[bytes]:
 def build(peer: Peer, cache: KVCache) -> Codec | str:
     """The peer's codec for this cache, or why it cannot run here."""
     if peer.module and importlib.util.find_spec(peer.module) is None:
-        return f"{peer.module} is not installed (pip install 'kvtool[bench]')"
-    return peer.build(cache.dtype.name, cache.dtype.itemsize)
+        return f"{peer.module} is not installed ({peer.install})"
+    try:
+        return peer.build(cache.dtype.name, cache.dtype.itemsize)
+    except ImportError as exc:  # installed, but something it imports is not (zipnn without torch)
+        return f"{peer.module} is not installed: it cannot import {exc.name or exc} ({peer.install})"

@@ -40,8 +40,10 @@ def legend(threads: int) -> list[str]:
     return [
         (f"{WINNER} the best lossless ratio for that file. ratio: original bytes / stored bytes (higher is better); "
          "K, V: the same for keys and for values alone."),
-        f"% limit: ratio as a share of the order-0 entropy limit with {LABELS[HEADLINE_LIMIT]} (100 = that limit).",
-        f"comp/dec MB/s: MB (10^6 bytes) of original data per second on 1 thread; comp/dec {threads}t: on {threads} threads.",
+        (f"% limit: ratio as a share of the order-0 entropy limit with {LABELS[HEADLINE_LIMIT]} (100 = that limit); "
+         "a coder that models each value in its context (ctxans) is not bound by an order-0 limit and can pass 100."),
+        (f"comp/dec MB/s: MB (10^6 bytes) of original data per second on 1 thread; comp/dec {threads}t: on {threads} threads "
+         "(below the 1-thread speed where the cores are few or busy with other work: the threads wait for them)."),
         f"vs {REFERENCE}: 1-thread compression speed relative to {REFERENCE} in the same run (2.00x = twice as fast).",
         "cpu s/GB c, d: CPU seconds (all threads) per GB of original data to compress, to decompress, on 1 thread.",
         "planes: ratio of each plane the recipe's layouts split the data into (hi/lo bytes, exponent, mantissa...).",
@@ -78,6 +80,17 @@ def table_rows(file: FileReport, threads: int) -> tuple[list[dict[str, Any]], li
             "planes": " ".join(f"{p} {v:.2f}" for p, v in r.by_plane.items()),
         })
     return rows, columns
+
+
+#: Decimals per column, fixed so a column reads the same in every run (a speed crossing 10 or 1000
+#: would otherwise change them).
+COLUMN_DECIMALS = {"ratio": 3, "K": 3, "V": 3, "% limit": 1, "comp MB/s": 1, "dec MB/s": 1,
+                   "cpu s/GB c": 2, "cpu s/GB d": 2}
+
+
+def column_decimals(threads: int) -> dict[str, int]:
+    """``COLUMN_DECIMALS`` with the names of the ``threads``-thread columns too."""
+    return {**COLUMN_DECIMALS, f"comp {threads}t": 1, f"dec {threads}t": 1}
 
 
 def label(result: Result) -> str:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from typer.core import TyperCommand, TyperGroup
 
 from kvtool.errors import UsageError
-from kvtool.fileio import check_regular
+from kvtool.fileio import check_output, check_regular
 
 JSON_OPTION = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 
@@ -72,13 +72,15 @@ def print_result(data: dict[str, Any], line: str, json_out: bool) -> None:
         typer.echo(line)
 
 
-def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A plain aligned text table: text left-aligned; numbers right-aligned, with as many
-    decimals as the column's largest value leaves room for (3 below 10, 1 below 1000, else 0),
-    so that a column's decimal points line up."""
+def format_table(rows: list[dict[str, Any]], columns: list[str], decimals: dict[str, int] | None = None) -> str:
+    """A plain aligned text table: text left-aligned; numbers right-aligned, with the decimals
+    ``decimals`` gives a column, else as many as the column's largest value leaves room for
+    (3 below 10, 1 below 1000, else 0), so that a column's decimal points line up. A table
+    printed again and again (a benchmark's) fixes its decimals, so a column reads the same each run."""
     numeric = [any(_is_number(row.get(col)) for row in rows) for col in columns]
-    decimals = [decimals_for([row.get(col) for row in rows]) for col in columns]
-    cells = [[_cell(row.get(col, ""), d) for col, d in zip(columns, decimals)] for row in rows]
+    fixed = decimals or {}
+    decimals_of = [fixed.get(col, decimals_for([row.get(col) for row in rows])) for col in columns]
+    cells = [[_cell(row.get(col, ""), d) for col, d in zip(columns, decimals_of)] for row in rows]
     widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
 
     def line(values: list[str]) -> str:
@@ -164,15 +166,21 @@ def existing_file(path: Path) -> Path:
 
 
 def distinct_output(src: Path, dst: Path) -> Path:
-    """``dst``, after checking that writing it cannot replace ``src`` (same path, link or bind mount)."""
+    """``dst``, after checking that it can be written (``check_output``) and that writing it cannot
+    replace ``src`` (same path, link or bind mount): before any work."""
     if src.resolve() == dst.resolve() or (dst.exists() and src.exists() and os.path.samefile(src, dst)):
         raise UsageError(f"the output {dst} is the input file; write to another path")
+    check_output(dst)
     return dst
 
 
 def progress(**kwargs) -> tqdm:
     """A tqdm bar on stderr that stays silent when stderr is not a terminal, or with ``-q``."""
     return tqdm(file=sys.stderr, disable=True if _quiet else None, dynamic_ncols=True, **kwargs)
+
+
+#: Worker threads beyond this are a typo (``--threads 100000``), not a request.
+MAX_THREADS = 1024
 
 
 class DefaultCommandGroup(Group):

@@ -10,6 +10,7 @@ import typer
 import kvtool
 from kvtool.cli._common import JSON_OPTION, existing_file, print_json, print_table, progress
 from kvtool.errors import UsageError
+from kvtool.recipe import Recipe
 
 #: The committed sample texts, found beside the package in a source checkout.
 TEXTS = Path(kvtool.__file__).resolve().parents[1] / "samples" / "texts"
@@ -40,7 +41,11 @@ def accuracy(
     named = [spec for value in recipes or [] for spec in value.split()]
     if plot_path:
         require_matplotlib()
-    with progress(desc="accuracy", unit="run") as bar:
+    runs = len({Recipe.parse(spec).spec() for spec in named or DEFAULT_RECIPES})
+    # One run per text and recipe, after each text's lossless reference; the per-layer runs are not counted
+    # ahead, so with --layers-of the bar counts without an estimate.
+    total = None if layers_of else len(paths) * (1 + runs)
+    with progress(desc="accuracy", unit="run", total=total) as bar:
         def step(label: str) -> None:
             bar.set_postfix_str(label[-60:], refresh=False)
             bar.update()

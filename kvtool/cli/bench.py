@@ -12,8 +12,8 @@ import typer
 from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
-from kvtool.bench.report import CSV_COLUMNS, csv_rows, headline, legend, limits_line, table_rows
-from kvtool.cli._common import JSON_OPTION, Command, existing_file, format_table, print_json, progress
+from kvtool.bench.report import CSV_COLUMNS, column_decimals, csv_rows, headline, legend, limits_line, table_rows
+from kvtool.cli._common import JSON_OPTION, MAX_THREADS, Command, existing_file, format_table, print_json, progress
 from kvtool.container import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.paths import source_checkout
@@ -35,7 +35,7 @@ def bench(
         None, "--recipes", "-r", help="Recipes to measure (repeat the option, or space-separate them); default: a quick set."
     ),
     all_recipes: bool = typer.Option(False, "--all", help="Every registered layout and codec at its sensible levels (slow)."),
-    threads: int = typer.Option(0, "--threads", "-t", min=0, help="Threads for the multi-thread runs (0: one per core)."),
+    threads: int = typer.Option(0, "--threads", "-t", min=0, max=MAX_THREADS, help="Threads for the multi-thread runs (0: one per core)."),
     repeat: int = typer.Option(3, "--repeat", "-n", min=1, help="Time each run this many times and keep the best."),
     chunk_tokens: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk-tokens", min=1, help="Tokens per .kvz chunk."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also measure memcpy, lz4, zstd, Blosc2 and ZipNN on the same blocks."),
@@ -88,7 +88,7 @@ def _print_tables(report) -> None:
         typer.echo("")
         typer.echo(headline(file))
         typer.echo(limits_line(file))
-        typer.echo(format_table(*table_rows(file, s["threads"])))
+        typer.echo(format_table(*table_rows(file, s["threads"]), decimals=column_decimals(s["threads"])))
     typer.echo("")
     for line in legend(s["threads"]):
         typer.echo(line)

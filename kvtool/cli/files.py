@@ -7,17 +7,20 @@ read it (``gzip -d`` for qat and isal, ``zstd -d``, ``lz4 -d``).
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 
 from kvtool import api, container
 from kvtool.cache import FORMAT_TAG
-from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
+from kvtool.cli._common import JSON_OPTION, MAX_THREADS, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
+from kvtool.cli.dicts import DICT_OPTION, use_dictionaries
 from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
+from kvtool.dtypes import register_numpy_types
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
@@ -26,10 +29,12 @@ from kvtool.units import format_size, parse_size
 PATTERN_OPTION = typer.Option(
     None, "--pattern", help="Read SRC as a KV cache whose tensors are named like 'model.layers.{layer}.self_attn.{k|v}'."
 )
-THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, help="Worker threads (0: one per core).")
+THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, max=MAX_THREADS, help="Worker threads (0: one per core).")
 MAX_SIZE_OPTION = typer.Option(
     "16GiB", "--max-size", help="Refuse to decode more than this many bytes (e.g. 512MiB), checked before decoding."
 )
+log = logging.getLogger("kvtool.cli.files")
+
 #: More layer ids than any model has; a longer --layers list is a typo, not a request.
 MAX_LAYER_SELECTION = 1 << 16
 
@@ -48,6 +53,7 @@ def compress(
     json_out: bool = JSON_OPTION,
 ):
     """Compress a KV cache into a .kvz, or any file into one codec stream."""
+    register_numpy_types()  # before the clock: the time reported is the command's work, not Python's start-up
     started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     if codec and recipe:
@@ -61,13 +67,19 @@ def compress(
             raise UsageError(f"{why}, but {dst.name} is named as a .kvz container; name the output otherwise, e.g. {dst.stem}.zst")
         if not codec and src.suffix == ".safetensors":
             typer.echo(f"kvtool: {src} is not a KV cache ({not_kv}); writing one plain zstd:3 stream", err=True)
+        log.info("compressing %s as one plain %s stream into %s", src, codec or "zstd:3", dst)
         _compress_plain(src, dst, codec or "zstd:3")
         _summary(src, dst, src.stat().st_size / max(dst.stat().st_size, 1), {"codec": codec or "zstd:3"}, started, json_out)
         return
+    log.info("reading the KV cache %s", src)
     cache = api.load(src, pattern=pattern)
+    log.info("read %d layers x K/V of %d tokens, %s (%s)", cache.num_layers, cache.num_tokens, cache.dtype.name,
+             format_size(cache.nbytes))
     parsed = Recipe.parse(recipe or DEFAULT_RECIPE)
     _require_available(parsed.codec, *parsed.plane_codecs.values())
+    log.info("encoding with %s in chunks of %d tokens into %s", parsed.spec(), chunk_tokens, dst)
     api.save(cache, dst, parsed, chunk_tokens=chunk_tokens, threads=threads or None, progress=True)
+    log.info("wrote %s (%s)", dst, format_size(dst.stat().st_size))
     if parsed.lossy:
         with container.open_kvz(dst) as reader:
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
@@ -82,16 +94,20 @@ def decompress(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Only this token range of a .kvz, e.g. '0:128'."),
     threads: int = THREADS_OPTION,
     max_size: str = MAX_SIZE_OPTION,
+    dictionaries: Optional[List[Path]] = DICT_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
+    register_numpy_types()  # before the clock, as in compress
     started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
     if container.is_kvz(src) and not codec:
+        use_dictionaries([src], dictionaries)
         selected_layers, selected_tokens = parse_layers(layers), parse_tokens(tokens)
         with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             check_token_range(selected_tokens, reader.num_tokens)
+            log.info("decoding %s (recipe %s) into %s", src, reader.recipe.spec(), dst)
             cache = reader.read(selected_layers, selected_tokens, threads or None, on_progress=bar.update)
         if reader.lossy:  # the written cache keeps saying what it is
             cache.provenance["lossy_recipe"] = reader.recipe.spec()
@@ -119,11 +135,16 @@ def verify(
     src: Path = typer.Argument(..., help="A .kvz file."),
     full: bool = typer.Option(False, "--full", help="Also decode every chunk and check the decoded bytes."),
     max_size: str = MAX_SIZE_OPTION,
+    dictionaries: Optional[List[Path]] = DICT_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Check a .kvz's header, index and every chunk checksum."""
     existing_file(src)
+    use_dictionaries([src], dictionaries)
+    log.info("reading the header and index of %s", src)
     with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+        log.info("%s: recipe %s, %d chunks; %s", src, reader.recipe.spec(), len(reader.index),
+                 "checking every checksum, then decoding every chunk" if full else "checking every checksum")
         reader.verify(full=full, on_progress=bar.update)
         report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
         note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""

@@ -11,6 +11,7 @@ import typer
 from kvtool import costmodel as model
 from kvtool.cli._common import JSON_OPTION, Command, decimals_for, existing_file, print_json, print_table
 from kvtool.errors import UsageError
+from kvtool.plan_presets import PRESETS
 from kvtool.units import format_size
 
 GB = 1e9
@@ -20,13 +21,18 @@ def register(app: typer.Typer) -> None:
     app.command("plan", cls=Command)(plan)
 
 
+HARDWARE_HELP = ("Named hardware (docs/PLAN.md): " + "; ".join(f"{p.name}: {p.machine}" for p in PRESETS.values())
+                 + ". Its prefill is used only for the models it was measured or estimated for.")
+
+
 def plan(
     model_config: Optional[Path] = typer.Option(None, "--model-config", help="A Hugging Face config.json or a .gguf file."),
-    name: str = typer.Option("model", help="Model name for the report (when given by numbers)."),
+    name: Optional[str] = typer.Option(None, help="Model name for the report (default: the config's model, or 'model')."),
     layers: Optional[int] = typer.Option(None, min=1, help="Layers (overrides the config)."),
     kv_heads: Optional[int] = typer.Option(None, min=1, help="KV heads (overrides the config)."),
     head_dim: Optional[int] = typer.Option(None, min=1, help="Head dimension (overrides the config)."),
     dtype: str = typer.Option("bf16", help=f"KV dtype: {', '.join(model.DTYPE_BYTES)}."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help=HARDWARE_HELP),
     prefill_tps: Optional[float] = typer.Option(None, help="Prefill speed in tokens/s (a linear model)."),
     prefill_fit: Optional[str] = typer.Option(None, help="Prefill seconds as A,B,C in A + B*n + C*n^2."),
     calibrate: Optional[Path] = typer.Option(None, help="A `kvtool bench ttft --json` result: prefill fit, tiers, codecs and build rate measured there."),
@@ -34,7 +40,8 @@ def plan(
     codec: Optional[List[str]] = typer.Option(None, help="NAME:RATIO:DECODE_GB_PER_S per codec (repeatable)."),
     bench_json: Optional[Path] = typer.Option(None, help="Codec ratios and decode rates from `kvtool bench --json`."),
     build_gbps: Optional[float] = typer.Option(None, help="GB/s into the engine's cache (host-to-device on a GPU)."),
-    chunk_tokens: int = typer.Option(256, min=1, help="Tokens per store entry (latency is paid per entry)."),
+    chunk_tokens: Optional[int] = typer.Option(None, min=1, show_default=False,
+                                               help="Tokens per store entry (latency is paid per entry); default: the hardware's, else 256."),
     contexts: str = typer.Option("1024,4096,16384,32768,131072", help="Comma-separated context lengths to predict."),
     hit_rate: float = typer.Option(0.8, help="Share of each prompt that is stored."),
     concurrency: int = typer.Option(64, min=0, help="Running sessions whose KV the engine holds."),
@@ -43,11 +50,16 @@ def plan(
     validate: Optional[Path] = typer.Option(None, help="A `kvtool bench ttft --json` result to compare the predictions with."),
     json_out: bool = JSON_OPTION,
 ):
-    """Predict TTFT with restore vs recompute per context, break-even context per tier and codec, and KV bytes."""
+    """Predict TTFT with restore vs recompute per context, break-even context per tier and codec, and KV bytes.
+
+    A cost model, not a measurement: it needs the model's shape and the hardware's speeds
+    (--hardware NAME, --calibrate, or --prefill-*, --tier, --codec and --build-gbps), and prints
+    every input and its source first. docs/PLAN.md describes the model, its inputs and the presets.
+    """
     shape = _shape(model_config, name, layers, kv_heads, head_dim, dtype)
     measured = json.loads(existing_file(calibrate).read_text()) if calibrate else None
-    inputs = model.calibrate(measured, shape) if measured else model.default_inputs(shape)
-    inputs = _override(inputs, prefill_tps, prefill_fit, tier, codec, bench_json, build_gbps, chunk_tokens)
+    given = _given(prefill_tps, prefill_fit, tier, codec, bench_json, build_gbps)
+    inputs = _inputs(shape, measured, hardware, given, chunk_tokens)
     ctx = _ints(contexts)
     report = {
         "label": "model output (kvtool plan), not a measurement",
@@ -70,15 +82,26 @@ def plan(
 
 
 def _print_report(report: dict, shape: model.ModelShape, inputs: model.Inputs, validated: bool) -> None:
-    """The report as a few readable tables: one row per context and tier, one column per codec."""
-    p = inputs.prefill
-    typer.echo(f"{report['label']}.")
-    typer.echo(f"{shape.name}: {format_size(shape.bytes_per_token)}/token ({shape.layers} layers x {shape.kv_heads} KV heads "
-               f"x {shape.head_dim} dims x K,V x {model.DTYPE_BYTES[shape.dtype]} bytes)")
-    typer.echo(f"prefill {p.a:.4g} + {p.b:.4g}*n + {p.c:.4g}*n^2 s; build {inputs.build_rate / GB:.2f} GB/s")
-    typer.echo("tiers: " + ", ".join(f"{t.name} {t.bandwidth / GB:.2f} GB/s + {t.latency * 1e3:.2f} ms/entry" for t in inputs.tiers))
-    typer.echo("codecs: " + ", ".join(f"{c.name} ratio {c.ratio:.3f}, decode {c.decode_rate / GB:.2f} GB/s" for c in inputs.codecs))
-    typer.echo("inputs from: " + "; ".join(f"{what}: {source}" for what, source in inputs.sources.items()))
+    """The inputs, each with its source, then the predictions as a few tables: one row per context
+    and tier, one column per codec."""
+    p, sources = inputs.prefill, inputs.sources
+    typer.echo(f"kvtool plan for {shape.name}: {report['label']}. Inputs:")
+    inputs_rows = [
+        ("model", (f"{format_size(shape.bytes_per_token)}/token ({shape.layers} layers x {shape.kv_heads} KV heads "
+                   f"x {shape.head_dim} dims x K,V x {model.DTYPE_BYTES[shape.dtype]} bytes)"), sources.get("model", "")),
+        ("prefill", f"{p.a:.4g} + {p.b:.4g}*n + {p.c:.4g}*n^2 s", sources["prefill"]),
+        ("tiers", ", ".join(f"{t.name} {t.bandwidth / GB:.2f} GB/s + {t.latency * 1e3:.3g} ms/entry" for t in inputs.tiers),
+         sources["tiers"]),
+        ("codecs", ", ".join(f"{c.name} ratio {c.ratio:.3f}, decode {c.decode_rate / GB:.2f} GB/s" for c in inputs.codecs),
+         sources["codecs"]),
+        ("build", f"{inputs.build_rate / GB:.2f} GB/s into the engine's cache; {inputs.chunk_tokens} tokens per entry",
+         sources["build_rate"]),
+    ]
+    for what, value, source in inputs_rows:
+        typer.echo(f"  {what:<8} {value}" + (f"  [{source}]" if source else ""))
+    for preset in PRESETS.values():
+        if any(source.startswith(f"--hardware {preset.name}") for source in sources.values()):
+            typer.echo(f"  --hardware {preset.name}: {preset.machine}")
     codecs = [c.name for c in inputs.codecs]
     rows: dict[tuple, dict] = {}
     places = decimals_for([r["ttft_restore_s"] for r in report["predictions"]])
@@ -91,9 +114,11 @@ def _print_report(report: dict, shape: model.ModelShape, inputs: model.Inputs, v
     print_table(list(rows.values()), ["context", "stored", "recompute s", "tier", *codecs])
     breaks: dict[str, dict] = {}
     for r in report["break_even"]:
-        breaks.setdefault(r["tier"], {"tier": r["tier"]})[r["codec"]] = r["break_even_tokens"]
+        tokens = r["break_even_tokens"]
+        breaks.setdefault(r["tier"], {"tier": r["tier"]})[r["codec"]] = NEVER if tokens is None else tokens
     typer.echo("")
-    typer.echo("Break-even: shortest stored prefix (tokens) that restores faster than it recomputes:")
+    typer.echo("Break-even: shortest stored prefix (tokens) that restores faster than it recomputes "
+               f"({NEVER}: recomputing stays faster up to {model.BREAK_EVEN_LIMIT} tokens):")
     print_table(list(breaks.values()), ["tier", *codecs])
     if report["capacity"]:
         first = report["capacity"][0]
@@ -109,7 +134,11 @@ def _print_report(report: dict, shape: model.ModelShape, inputs: model.Inputs, v
         typer.echo(f"largest error: {100 * report['max_abs_error']:.1f}%")
 
 
-def _shape(config: Optional[Path], name: str, layers, kv_heads, head_dim, dtype: str) -> model.ModelShape:
+#: A break-even cell where restoring never wins.
+NEVER = "never"
+
+
+def _shape(config: Optional[Path], name: Optional[str], layers, kv_heads, head_dim, dtype: str) -> model.ModelShape:
     if dtype not in model.DTYPE_BYTES:
         raise UsageError(f"unknown dtype {dtype!r}; known: {', '.join(model.DTYPE_BYTES)}")
     base = None
@@ -117,7 +146,7 @@ def _shape(config: Optional[Path], name: str, layers, kv_heads, head_dim, dtype:
         existing_file(config)
         base = model.shape_from_gguf(config, dtype) if config.suffix == ".gguf" else model.shape_from_config(config, dtype)
     values: dict[str, Any] = {
-        "name": base.name if base else name,
+        "name": name or (base.name if base else "model"),
         "layers": layers or (base and base.layers),
         "kv_heads": kv_heads or (base and base.kv_heads),
         "head_dim": head_dim or (base and base.head_dim),
@@ -128,25 +157,83 @@ def _shape(config: Optional[Path], name: str, layers, kv_heads, head_dim, dtype:
     return model.ModelShape(dtype=dtype, **values)
 
 
-def _override(inputs: model.Inputs, tps, fit, tiers, codecs, bench_json, build_gbps, chunk_tokens) -> model.Inputs:
-    changes: dict = {"chunk_tokens": chunk_tokens}
-    sources = dict(inputs.sources)
+#: The hardware inputs, and the options that give each.
+HARDWARE_INPUTS = {"prefill": "--prefill-tps or --prefill-fit", "tiers": "--tier", "codecs": "--codec or --bench-json",
+                   "build_rate": "--build-gbps"}
+
+
+def _given(tps, fit, tiers, codecs, bench_json, build_gbps) -> dict[str, tuple[Any, str]]:
+    """The hardware inputs the options give: name -> (value, source)."""
+    given: dict[str, tuple[Any, str]] = {}
     if tps and fit:
         raise UsageError("give --prefill-tps or --prefill-fit, not both")
     if tps:
-        changes["prefill"], sources["prefill"] = model.Prefill.from_tokens_per_second(tps), "--prefill-tps"
+        given["prefill"] = model.Prefill.from_tokens_per_second(tps), "--prefill-tps"
     if fit:
-        a, b, c = _floats(fit, 3, "--prefill-fit")
-        changes["prefill"], sources["prefill"] = model.Prefill(a, b, c), "--prefill-fit"
+        given["prefill"] = model.Prefill(*_floats(fit, 3, "--prefill-fit")), "--prefill-fit"
     if tiers:
-        changes["tiers"], sources["tiers"] = [_tier(t) for t in tiers], "--tier"
+        given["tiers"] = [_tier(t) for t in tiers], "--tier"
     if codecs:
-        changes["codecs"], sources["codecs"] = [_codec(c) for c in codecs], "--codec"
+        given["codecs"] = [_codec(c) for c in codecs], "--codec"
     elif bench_json:
-        changes["codecs"], sources["codecs"] = model.codecs_from_bench(existing_file(bench_json)), str(bench_json)
+        given["codecs"] = model.codecs_from_bench(existing_file(bench_json)), str(bench_json)
     if build_gbps:
-        changes["build_rate"], sources["build_rate"] = build_gbps * GB, "--build-gbps"
-    return model.Inputs(**{**inputs.__dict__, **changes, "sources": sources})
+        given["build_rate"] = build_gbps * GB, "--build-gbps"
+    return given
+
+
+def _inputs(shape: model.ModelShape, measured: Optional[dict], hardware: Optional[str],
+            given: dict[str, tuple[Any, str]], chunk_tokens: Optional[int]) -> model.Inputs:
+    """The model's inputs: a measured run's or a preset's, then what the options give. Every hardware
+    input must come from somewhere, and a prefill only from a run or a preset of this model."""
+    base: dict[str, tuple[Any, str]] = {}
+    chunk = 256
+    if measured is not None and hardware is not None:
+        raise UsageError("give --calibrate or --hardware, not both")
+    if measured is not None:
+        run = model.calibrate(measured, shape)
+        base = {what: (getattr(run, what), run.sources[what]) for what in HARDWARE_INPUTS}
+        chunk = run.chunk_tokens
+        ran = str(measured.get("model", ""))
+        if not _same_model(ran, shape.name):
+            del base["prefill"]  # that run's prefill is another model's
+    elif hardware is not None:
+        if hardware not in PRESETS:
+            raise UsageError(f"unknown --hardware {hardware!r}; presets: {', '.join(PRESETS)} (docs/PLAN.md)")
+        preset = PRESETS[hardware]
+        source = f"--hardware {preset.name}"
+        base = {"tiers": (list(preset.tiers), source), "codecs": (list(preset.codecs), source),
+                "build_rate": (preset.build_rate, source)}
+        chunk = preset.chunk_tokens
+        fit = preset.prefill_for(shape.name)
+        if fit is not None:
+            base["prefill"] = fit, f"--hardware {preset.name}, for {shape.name}"
+    chosen = {**base, **given}
+    missing = [what for what in HARDWARE_INPUTS if what not in chosen]
+    if "prefill" in missing and (measured is not None or hardware is not None):
+        if measured is not None:
+            where = f"the run in --calibrate measured {measured.get('model')!r}"
+        else:
+            where = f"--hardware {hardware} has a prefill only for {', '.join(PRESETS[str(hardware)].prefill)}"
+        who = "an unnamed model (--name)" if shape.name == "model" else repr(shape.name)
+        raise UsageError(f"{where}, not {who}: give its prefill with --prefill-tps or --prefill-fit")
+    if missing:
+        raise UsageError(
+            f"kvtool plan predicts for hardware you describe: give --hardware ({', '.join(PRESETS)}; docs/PLAN.md), "
+            f"--calibrate TTFT.json, or {', '.join(HARDWARE_INPUTS[m] for m in missing)}")
+    sources = {what: source for what, (_, source) in chosen.items()}
+    sources["model"] = "--layers/--kv-heads/--head-dim" if shape.name == "model" else shape.name
+    return model.Inputs(model=shape, prefill=chosen["prefill"][0], tiers=chosen["tiers"][0],
+                        codecs=chosen["codecs"][0], build_rate=chosen["build_rate"][0],
+                        chunk_tokens=chunk_tokens or chunk, sources=sources)
+
+
+def _same_model(measured: str, asked: str) -> bool:
+    """Whether a run of ``measured`` (``SmolLM2-135M-Instruct.Q4_1``) speaks for ``asked`` (``SmolLM2-135M``)."""
+    def plain(text: str) -> str:
+        return text.lower().rsplit("/", 1)[-1]
+
+    return bool(measured) and (plain(measured).startswith(plain(asked)) or plain(asked).startswith(plain(measured)))
 
 
 def _tier(text: str) -> model.Tier:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from kvtool.cache import KVCache, dtype_of, parse_metadata
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, progress
 from kvtool.cli.inspect import PATTERN_HELP
+from kvtool.dtypes import register_numpy_types
 from kvtool.errors import DecodeError, KvtoolError, UsageError
 from kvtool.fileio import atomic_write, check_regular
 from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
@@ -140,6 +141,7 @@ def _restore_tensor(f, names: set[str], chain: LayoutChain, base: str, original:
         missing = [f"{base}.{s.name}" for s in specs if f"{base}.{s.name}" not in names]
         if missing:
             raise DecodeError(f"missing tensors {missing}")
+        register_numpy_types()  # safetensors names the numpy type by its name
         planes = [f.get_tensor(f"{base}.{s.name}") for s in specs]
         return chain.inverse(planes, [spec])[0]
     except (KeyError, TypeError, ValueError) as exc:

@@ -15,24 +15,33 @@ import kvtool
 from kvtool.cli._common import Group, set_quiet, setup_logging
 from kvtool.errors import KvtoolError
 
-#: Every top-level command and the module under ``kvtool.cli`` that defines it, in the
-#: order ``kvtool --help`` lists them. A module is imported when one of its commands runs
-#: (or when ``--help`` lists them all), so ``kvtool codecs`` never imports the benchmarks.
+#: Every top-level command: the module under ``kvtool.cli`` that defines it, and its one-line help,
+#: in the order ``kvtool --help`` lists them. A module is imported only when one of its commands
+#: runs or shows its own help, so ``kvtool codecs`` never imports the benchmarks and ``kvtool
+#: --help`` imports none (a test checks each line against its command's docstring).
 COMMANDS = {
-    "inspect": "inspect",
-    "compress": "files",
-    "decompress": "files",
-    "verify": "files",
-    "reorder": "reorder",
-    "codecs": "codecs",
-    "bench": "bench",
-    "plan": "plan",
-    "store": "store",
-    "serve": "serve",
-    "train": "train",
-    "dump": "dump",
-    "import": "dump",
-    "convert-model": "dump",
+    "inspect": ("inspect", ("Show a cache's model, shape, dtype and provenance, and per layer its values' statistics "
+                           "(a raw cache) or compression ratios (a .kvz).")),
+    "compress": ("files", "Compress a KV cache into a .kvz, or any file into one codec stream."),
+    "decompress": ("files", ("Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy "
+                            "recipe stored), or a plain stream into its bytes.")),
+    "verify": ("files", "Check a .kvz's header, index and every chunk checksum."),
+    "reorder": ("reorder", ("Write a cache's tensors split and reordered by a layout chain, one tensor per plane; "
+                           "--inverse undoes it.")),
+    "codecs": ("codecs", "List every registered codec: available or why not, and the implementation it runs on."),
+    "bench": ("bench", ("Benchmarks: `kvtool bench [FILE...]` compares recipes (the `compression` command); `kvtool "
+                       "bench ttft` measures time to first token, restoring vs recomputing; `kvtool bench accuracy` "
+                       "measures what lossy recipes cost the model.")),
+    "plan": ("plan", ("Predict TTFT with restore vs recompute per context, break-even context per tier and codec, "
+                     "and KV bytes.")),
+    "store": ("store", ("Put, get, list and evict entries of a KV cache store (memory, file, redis, or tiers of them), "
+                       "or of a running API server's store with --api.")),
+    "serve": ("serve", ("Serve the hot/cold scheduling API (pin, prefetch, offload, evict, hint, lookup, events, "
+                       "metrics) over a store.")),
+    "train": ("train", "Learn a model dictionary from caches of a model; use it as the recipe `ctxans:NAME.kvd`."),
+    "dump": ("dump", "Run a model over a text and save its KV cache."),
+    "import": ("dump", "Convert another tool's safetensors KV dump into kvtool's own."),
+    "convert-model": ("dump", "Save the model (default: the dequantised SmolLM2 GGUF) as a plain Hugging Face folder."),
 }
 
 
@@ -40,14 +49,27 @@ class _RootGroup(Group):
     """Loads command modules on demand, and turns deliberate errors into one line on stderr
     and a meaningful exit code."""
 
+    _listing = False  # while the root's own help is written: commands are listed, not loaded
+
     def list_commands(self, ctx):
         return list(COMMANDS)
 
+    def format_help(self, ctx, formatter):
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
     def get_command(self, ctx, cmd_name):
+        if self._listing and cmd_name not in self.commands and cmd_name in COMMANDS:
+            import click
+
+            return click.Command(cmd_name, help=COMMANDS[cmd_name][1])
         if cmd_name not in self.commands and cmd_name in COMMANDS:
             import importlib
 
-            module = importlib.import_module(f"kvtool.cli.{COMMANDS[cmd_name]}")
+            module = importlib.import_module(f"kvtool.cli.{COMMANDS[cmd_name][0]}")
             commands = typer.Typer()
             module.register(commands)
             self.commands.update(typer.main.get_group(commands).commands)

@@ -1,48 +1,62 @@
-"""``kvtool store``: put, get, list, inspect and evict entries of a KV cache store.
+"""``kvtool store``: put, get, list, inspect, evict and schedule the entries of a KV cache store.
 
-The last section drives a running API server (``kvtool serve``, or vLLM with the API on):
-pin, unpin, prefetch, offload, hint, lookup and events, with ``--api URL``.
+Every command acts on a target (``kvtool.cli.store_target``): the store ``--store`` names,
+opened by the command, or with ``--api URL`` a running server's (``kvtool serve``, or vLLM
+with the API on). Pin, unpin, prefetch, offload, hint and events need the server.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
-from dataclasses import asdict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
 from kvtool.cli._common import JSON_OPTION, Command, Group, existing_file, print_json, print_result, print_table
+from kvtool.cli.store_target import ApiTarget, Target, default_store_url, open_target
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import atomic_write
-from kvtool.store import Store, open_store
-from kvtool.store.file import default_path
-from kvtool.store.metrics import prometheus_text
 from kvtool.units import format_size
+
+__all__ = ["default_store_url", "store_app"]
+
+log = logging.getLogger("kvtool.cli.store")
 
 store_app = typer.Typer(
     cls=Group,
     name="store",
-    help="Put, get, list and evict entries of a KV cache store (memory, file, redis, or tiers of them).",
+    help="Put, get, list and evict entries of a KV cache store (memory, file, redis, or tiers of them), "
+    "or of a running API server's store with --api.",
     no_args_is_help=True,
 )
 
+STORE_ENV, API_ENV = "KVTOOL_STORE", "KVTOOL_API"
 STORE_OPTION = typer.Option(
     None,
     "--store",
     "-s",
-    envvar="KVTOOL_STORE",
     show_default=False,
     help="Store URL, or comma-separated URLs fastest tier first: memory://?capacity=2GiB, "
     "file:///path?capacity=100GiB, redis://host:6379/0?ttl=3600, redis+cluster://host:7000,host2:7000/?ttl=3600. "
-    "Default: a file store in $XDG_CACHE_HOME/kvtool/store (~/.cache/kvtool/store).",
+    "Default: $KVTOOL_STORE, else a file store in $XDG_CACHE_HOME/kvtool/store (~/.cache/kvtool/store). "
+    "Only `put` creates a store; every other command needs one that exists.",
 )
-
+#: --api of the commands that act on a store or a server (``--api`` or --store on the command line win
+#: over $KVTOOL_API, which wins over $KVTOOL_STORE).
+TARGET_API_OPTION = typer.Option(
+    None, "--api", show_default=False,
+    help="Act on the store of a kvtool API server instead of --store: http://127.0.0.1:8470 "
+    "(the default of `kvtool serve`) or unix:///PATH. Default: $KVTOOL_API when no --store is given.",
+)
+#: --api of the commands only a server has.
 API_OPTION = typer.Option(
-    None, "--api", envvar="KVTOOL_API", show_default=False,
-    help="URL of a kvtool API server: http://127.0.0.1:8470 (the default of `kvtool serve`) or unix:///PATH.",
+    None, "--api", envvar=API_ENV, show_default=False,
+    help="URL of the kvtool API server: http://127.0.0.1:8470 (the default of `kvtool serve`) or unix:///PATH.",
 )
 TOKEN_FILE_OPTION = typer.Option(
     None, "--token-file", show_default=False,
@@ -50,26 +64,34 @@ TOKEN_FILE_OPTION = typer.Option(
 )
 
 
-def default_store_url() -> str:
-    """A file store under the user's cache directory, which outlives the process."""
-    return f"file://{default_path()}"
-
-
-def _open(url: Optional[str], read_only: bool = False) -> Store:
-    return open_store(url or default_store_url(), read_only=read_only)
-
-
-def _open_to_report(url: Optional[str]) -> Store:
-    """A store opened read-only whose every tier answers, for commands that report contents:
-    a tier that is down is an error, not an empty tier."""
-    store = _open(url, read_only=True)
+@contextmanager
+def _server(api: Optional[str], token_file: Optional[Path]) -> Iterator[ApiTarget]:
+    """A running API server, for the verbs only a server has."""
+    target = ApiTarget(api, token_file)
     try:
-        for tier in store.tiers:
-            tier.check_reachable()
-    except BaseException:
-        store.close()
-        raise
-    return store
+        yield target
+    finally:
+        target.close()
+
+
+def _chosen(store: Optional[str], api: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(store, api) to act on: an option on the command line wins over a variable, ``--api`` over
+    ``--store``, and ``KVTOOL_API`` over ``KVTOOL_STORE`` (a server was asked for by name)."""
+    if api or store:
+        return (None, api) if api else (store, None)
+    if os.environ.get(API_ENV):
+        return None, os.environ[API_ENV]
+    return os.environ.get(STORE_ENV) or None, None
+
+
+@contextmanager
+def _target(store: Optional[str], api: Optional[str], token_file: Optional[Path], **mode: bool) -> Iterator[Target]:
+    chosen_store, chosen_api = _chosen(store, api)
+    target = open_target(chosen_store, chosen_api, token_file, **mode)
+    try:
+        yield target
+    finally:
+        target.close()
 
 
 @store_app.command("put", cls=Command)
@@ -81,21 +103,28 @@ def put(
         None, "--tokens", min=0, show_default=False,
         help="Tokens of KV cache the value holds (kept as metadata). Default: read from a .kvz value's header.",
     ),
+    api: Optional[str] = TARGET_API_OPTION,
+    token_file: Optional[Path] = TOKEN_FILE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
-    """Store a file (or standard input) under KEY."""
+    """Store a file (or standard input) under KEY (creating the store if there is none)."""
+    import kvtool.container  # noqa: F401 - imported before the clock starts: the time reported is the command's work
+    from kvtool.dtypes import register_numpy_types
+
+    register_numpy_types()
     started = time.perf_counter()
+    log.info("reading %s", "standard input" if source == "-" else source)
     data = typer.get_binary_stream("stdin").read() if source == "-" else existing_file(Path(source)).read_bytes()
     if tokens is None:
         tokens = kvz_tokens(data)
-    with _open(store) as s:
-        if not s.put(key, data, {} if tokens is None else {"tokens": tokens}):
-            raise KvtoolError(f"{key!r} was not stored in {s.describe()} (the reason is logged above)")
-        where = s.describe()
+        log.info("the value holds %s", "no .kvz header" if tokens is None else f"a .kvz of {tokens} tokens")
+    with _target(store, api, token_file, writes=True) as target:
+        target.put(key, data, tokens)
+        where = target.describe()
     seconds = time.perf_counter() - started
     held = "" if tokens is None else f", {tokens} tokens"
     print_result({"key": key, "bytes": len(data), "tokens": tokens, "store": where, "seconds": round(seconds, 3)},
-           f"stored {key!r} in {where}: {format_size(len(data))}{held} in {seconds:.2f} s", json_out)
+                 f"stored {key!r} in {where}: {format_size(len(data))}{held} in {seconds:.2f} s", json_out)
 
 
 def kvz_tokens(value: bytes) -> int | None:
@@ -116,12 +145,15 @@ def get(
     key: str = typer.Argument(..., help="Key to read."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the value here instead of standard output."),
     store: Optional[str] = STORE_OPTION,
+    api: Optional[str] = TARGET_API_OPTION,
+    token_file: Optional[Path] = TOKEN_FILE_OPTION,
 ):
     """Write the value stored under KEY to standard output or a file; exit 1 if there is none."""
-    with _open(store) as s:
-        value = s.get(key)
+    with _target(store, api, token_file) as target:
+        value = target.get(key)
         if value is None:
-            raise KvtoolError(f"no entry {key!r} in {s.describe()}")
+            raise KvtoolError(f"no entry {key!r} in {target.describe()}")
+        where = target.describe()
     if output is None:
         out = typer.get_binary_stream("stdout")
         out.write(value)
@@ -129,24 +161,24 @@ def get(
     else:
         with atomic_write(output) as f:
             f.write(value)
+        print_result({}, f"wrote {key!r} from {where} to {output}: {format_size(len(value))}", False)
 
 
 @store_app.command("ls", cls=Command)
-def ls(store: Optional[str] = STORE_OPTION, json_out: bool = JSON_OPTION):
+def ls(store: Optional[str] = STORE_OPTION, api: Optional[str] = TARGET_API_OPTION,
+       token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION):
     """List the entries: key, tier, stored size and token count (reads only: changes nothing)."""
-    with _open_to_report(store) as s:
-        rows: list[dict[str, Any]] = []
-        for key in s.keys():
-            info = s.info(key)
-            if info is None:
-                continue
-            tier = s.tier_of(key)
-            rows.append({"key": key, "tier": tier, "bytes": info.size, "tokens": info.tokens})
+    with _target(store, api, token_file, reads_only=True) as target:
+        rows = target.entries()
+        where = target.describe()
     if json_out:
         print_json(rows)
-    elif rows:
-        shown = [{**r, "size": format_size(r["bytes"])} for r in rows]
-        print_table(shown, ["key", "tier", "size", "tokens"])
+        return
+    if rows:
+        print_table([{**r, "size": format_size(r["bytes"])} for r in rows], ["key", "tier", "size", "tokens"])
+    total = sum(r["bytes"] for r in rows)
+    typer.echo(f"{len(rows)} {'entry' if len(rows) == 1 else 'entries'} in {where}"
+               + (f", {format_size(total)}" if rows else ""))
 
 
 @store_app.command("stats", cls=Command)
@@ -156,18 +188,22 @@ def stats(
     prometheus: bool = typer.Option(
         False, "--prometheus", help="Print Prometheus text exposition format (needs the metrics extra)."
     ),
+    api: Optional[str] = TARGET_API_OPTION,
+    token_file: Optional[Path] = TOKEN_FILE_OPTION,
 ):
     """What the store holds, per tier: entries, bytes, capacity (reads only: changes nothing).
 
     --json and --prometheus add this process's counters (hits, bytes read, ...),
     which start at zero: a store's activity is in the metrics of the processes using it.
     """
-    with _open_to_report(store) as s:
-        data = s.stats()
+    with _target(store, api, token_file, reads_only=True) as target:
+        data = target.stats()
     if json_out:
         print_json(data)
         return
     if prometheus:
+        from kvtool.store.metrics import prometheus_text
+
         try:
             text = prometheus_text(data)
         except ImportError:
@@ -188,64 +224,54 @@ def stats(
     print_table(rows, ["tier", "store", "entries", "used", "capacity"])
 
 
+KEYS_ARGUMENT = typer.Argument(..., help="Keys of the entries.", show_default=False)
+
+
+def _report(answer: dict[str, Any], json_out: bool) -> None:
+    """Print a per-key verb's answer, and fail if a key was not done."""
+    results = answer["results"]
+    if json_out:
+        print_json(answer)
+    elif len(results) > 1 or any(r["tier"] for r in results):
+        print_table([{**r, "tier": r["tier"] or "-"} for r in results], ["key", "status", "tier"])
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        listed = ", ".join(f"{r['key'][:40]} ({r['status']})" for r in failed[:5])
+        raise KvtoolError(f"{len(failed)} of {len(results)} keys not done: {listed}")
+
+
 @store_app.command("evict", cls=Command)
 def evict(
     keys: list[str] = typer.Argument(..., help="Keys to remove."),
     store: Optional[str] = STORE_OPTION,
-    api: Optional[str] = typer.Option(
-        None, "--api", show_default=False, help="Evict through this kvtool API server instead of opening --store."
-    ),
+    api: Optional[str] = TARGET_API_OPTION,
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Remove KEYS from every tier (of a store, or of a server with --api); exit 1 if one was not there."""
-    if api is not None:
-        return _api_action("evict", keys, api, token_file, json_out)
-    with _open(store) as s:
-        for key in keys:
-            removed = s.evict(key)
-            if not removed:
-                raise KvtoolError(f"no entry {key!r} in {s.describe()}")
-
-
-# --- the same store through a running `kvtool serve` (or a vLLM server with the API on) ---------------
-
-KEYS_ARGUMENT = typer.Argument(..., help="Keys of the entries.", show_default=False)
-
-
-def _client(api: Optional[str], token_file: Optional[Path]):
-    from kvtool.server.client import DEFAULT_URL, ApiClient
-
-    return ApiClient(api or DEFAULT_URL, token_file=token_file)
-
-
-def _api_action(action: str, keys: list[str], api: Optional[str], token_file: Optional[Path], json_out: bool,
-                **options) -> None:
-    """Run one per-key action through the API, print its answer, and fail if a key did not succeed."""
-    with _client(api, token_file) as client:
-        answer = getattr(client, action)(keys, **options)
-    if json_out:
-        print_json(answer)
-    else:
-        print_table([{**r, "tier": r["tier"] or "-"} for r in answer["results"]], ["key", "status", "tier"])
-    failed = [r for r in answer["results"] if not r["ok"]]
-    if failed:
-        listed = ", ".join(f"{r['key'][:40]} ({r['status']})" for r in failed[:5])
-        raise KvtoolError(f"{len(failed)} of {len(answer['results'])} keys not done: {listed}")
+    with _target(store, api, token_file) as target:
+        answer = target.evict(keys)
+        where = target.describe()
+    (first, *more) = answer["results"]
+    if not more and first["status"] == "missing" and not json_out:
+        raise KvtoolError(f"no entry {first['key']!r} in {where}")
+    _report(answer, json_out)
 
 
 @store_app.command("pin", cls=Command)
 def pin(keys: list[str] = KEYS_ARGUMENT, api: Optional[str] = API_OPTION,
         token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION):
     """Keep entries where they are until unpinned (never demoted or evicted), through the API."""
-    _api_action("pin", keys, api, token_file, json_out)
+    with _server(api, token_file) as target:
+        _report(target.pin(keys), json_out)
 
 
 @store_app.command("unpin", cls=Command)
 def unpin(keys: list[str] = KEYS_ARGUMENT, api: Optional[str] = API_OPTION,
           token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION):
     """Let pinned entries move and leave again, through the API."""
-    _api_action("unpin", keys, api, token_file, json_out)
+    with _server(api, token_file) as target:
+        _report(target.unpin(keys), json_out)
 
 
 @store_app.command("prefetch", cls=Command)
@@ -255,7 +281,8 @@ def prefetch(
     api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
 ):
     """Bring entries to the fastest tier ahead of the request that needs them, through the API."""
-    _api_action("prefetch", keys, api, token_file, json_out, wait=wait)
+    with _server(api, token_file) as target:
+        _report(target.prefetch(keys, wait=wait), json_out)
 
 
 @store_app.command("offload", cls=Command)
@@ -266,7 +293,8 @@ def offload(
 ):
     """Move entries down now (a session pauses), through the API."""
     target = int(to) if to.lstrip("-").isdigit() else to
-    _api_action("offload", keys, api, token_file, json_out, to=target)
+    with _server(api, token_file) as on:
+        _report(on.offload(keys, to=target), json_out)
 
 
 @store_app.command("hint", cls=Command)
@@ -280,8 +308,9 @@ def hint(
     api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
 ):
     """Tell the placement policy when entries are needed again (an agent's tool call returns), through the API."""
-    _api_action("hint", keys, api, token_file, json_out, returns_in_s=returns_in, offload=offload_now,
-                prefetch_ahead_s=prefetch_ahead)
+    with _server(api, token_file) as target:
+        _report(target.hint(keys, returns_in_s=returns_in, offload=offload_now, prefetch_ahead_s=prefetch_ahead),
+                json_out)
 
 
 @store_app.command("lookup", cls=Command)
@@ -300,22 +329,14 @@ def lookup(
     tp_size: Optional[int] = typer.Option(None, "--tp-size", min=1, help="vllm: tensor-parallel size."),
     hash_algo: Optional[str] = typer.Option(None, "--hash-algo", help="vllm: prefix_caching_hash_algo (sha256_cbor)."),
     store: Optional[str] = STORE_OPTION,
-    api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
+    api: Optional[str] = TARGET_API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
 ):
     """How many tokens of a prompt are stored, and in which tiers (through the API with --api, else in --store)."""
     fields: dict[str, Any] = dict(model=model, salt=salt, recipe=recipe, chunk_tokens=chunk_tokens, scheme=scheme,
                   block_size=block_size, kv_dtype=kv_dtype, tp_size=tp_size, hash_algo=hash_algo)
     ids = _token_ids(tokens, tokens_file)
-    if api is not None:
-        with _client(api, token_file) as client:
-            result = client.lookup(ids, **fields)
-    else:
-        from kvtool.server.lookup import PrefixQuery, lookup_prefix
-
-        query = PrefixQuery(ids, **fields).with_defaults({})
-        with _open(store) as s:
-            found = lookup_prefix(s, query)
-        result = {**asdict(found), "keys": found.keys}
+    with _target(store, api, token_file, reads_only=True) as target:
+        result = target.lookup(ids, fields)
     if json_out:
         print_json(result)
         return
@@ -333,8 +354,8 @@ def events(
     api: Optional[str] = API_OPTION, token_file: Optional[Path] = TOKEN_FILE_OPTION, json_out: bool = JSON_OPTION,
 ):
     """Print the server's events as they happen (stored, promoted, demoted, evicted, pinned, hinted, ...)."""
-    with _client(api, token_file) as client:
-        for seen, event in enumerate(client.events(), start=1):
+    with _server(api, token_file) as target:
+        for seen, event in enumerate(target.events(), start=1):
             data = event["data"]
             if json_out:
                 typer.echo(json.dumps(event))

@@ -109,8 +109,9 @@ def lookup(id_: str) -> Dictionary:
             register(dictionary)
             return dictionary
     raise MissingDictionaryError(
-        f"dictionary {id_} is not known here: put its .kvd file on {PATH_VARIABLE}, "
-        "name it in the recipe (ctxans:FILE.kvd), or open the store that holds it"
+        f"dictionary {id_} is not known here: put its .kvd file on {PATH_VARIABLE} (or, for kvtool's "
+        "commands, beside the file or named with --dict FILE.kvd), name it in the recipe (ctxans:FILE.kvd), "
+        "or open the store that holds it"
     )
 
 

@@ -44,7 +44,8 @@ registry: Registry[Store] = Registry(
 
 
 def open_store(
-    url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False, write_behind: int = 0
+    url: str, policy: Policy | None = None, promote: bool = True, read_only: bool = False, write_behind: int = 0,
+    create: bool = True,
 ) -> Store:
     """Open the store a URL names; several comma-separated URLs make a ``TieredStore``.
 
@@ -52,6 +53,7 @@ def open_store(
     except before the ``host:port`` of a cluster's next node and inside credentials (a
     comma in a password stays in its URL; see ``split_urls``). ``read_only`` opens it for
     inspection: nothing on disk or in a server changes (``Store`` says what that means).
+    ``create=False`` opens only stores that exist (a file store's directory and index), creating none.
     """
     urls = split_urls(url)
     if not all(urls):
@@ -59,7 +61,8 @@ def open_store(
     tiers: list[Store] = []
     try:
         for one in urls:
-            tiers.append(registry.get(scheme_of(one)).from_url(one))
+            backend = registry.get(scheme_of(one))
+            tiers.append(backend.from_url(one) if create else backend.open_existing(one))
     except BaseException:
         for tier in tiers:
             tier.close()

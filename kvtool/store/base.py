@@ -36,6 +36,12 @@ class Store(RecordStore):
     def from_url(cls, url: str) -> "Store":
         raise UsageError(f"{cls.__name__} cannot be opened from a URL")
 
+    @classmethod
+    def open_existing(cls, url: str) -> "Store":
+        """The store ``url`` names, opened only if it exists, creating nothing (``MissingStoreError``
+        otherwise); a backend that creates nothing when it opens is opened as ``from_url`` does."""
+        return cls.from_url(url)
+
     # --- batches: loops by default, for backends to speed up ----------------
 
     def put_many(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]]) -> list[bool]:

@@ -31,7 +31,8 @@ anything, so inspecting a store (``kvtool store ls``) is always safe. The store
 only opens regular files it owns, without blocking (``kvtool.store.owned_files``):
 a FIFO, socket, device or link where an entry's file should be is a damaged
 entry, and one named like a record or ``.part`` file is skipped by
-``collect_garbage`` and reported.
+``collect_garbage`` and reported. Opening with
+``create=False`` (``open_store(..., create=False)``) also creates nothing where no store is.
 
 A failed write (disk full, I/O error, the index busy beyond the timeout) returns
 False and leaves the key's old value in place. Capacity is enforced by each
@@ -69,7 +70,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import unquote
 
-from kvtool.errors import UsageError
+from kvtool.errors import MissingStoreError, UsageError
 from kvtool.fileio import fsync_dir
 from kvtool.store.base import StagedWrite, Store, log
 from kvtool.store.entry import CorruptEntryError, Entry, EntryInfo, check_key, parse_info
@@ -104,17 +105,26 @@ class FileStore(Store):
     typical_latency_s = 1e-4
     typical_bandwidth = 2e9
 
-    def __init__(self, path: str | os.PathLike, capacity: int | None = None, *, name: str | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, capacity: int | None = None, *, name: str | None = None, create: bool = True
+    ) -> None:
+        """``create=False`` opens only a store that exists, creating nothing: a directory that is not
+        one (no index) is a ``MissingStoreError``."""
         super().__init__(capacity=capacity, name=name)
         self.root = Path(path).expanduser().absolute()
         self._entries = self.root / "entries"
+        if not create and not (self.root / INDEX).is_file():
+            there = "does not exist" if not self.root.exists() else "is not a file store (it has no index.sqlite3)"
+            raise MissingStoreError(f"file store {self.root} {there}")
         try:  # KV caches reveal prompts: directories this store creates are private to the user
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._entries.mkdir(mode=0o700, exist_ok=True)
+            if create:
+                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._entries.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"cannot use {self.root} as a file store: {exc.strerror}") from None
         self._lock = threading.Lock()  # guards the reads not yet recorded in the index
-        self._index = FileIndex(self.root, BUSY_TIMEOUT_S, self.name, functools.partial(self.metrics.count, "errors"))
+        self._index = FileIndex(self.root, BUSY_TIMEOUT_S, self.name, functools.partial(self.metrics.count, "errors"),
+                                create)
         self._touched: dict[str, None] = {}
         self._index.forked = self._forget_touches  # a forked child records only its own reads
         self._touch_flushed = time.monotonic()
@@ -122,11 +132,11 @@ class FileStore(Store):
 
     @classmethod
     def from_url(cls, url: str) -> "FileStore":
-        base, _ = split_query(url)
-        path = unquote(base.strip()[len("file://"):])
-        if not path:
-            raise UsageError("a file store URL needs a path: file:///var/cache/kvtool or file://./cache")
-        return cls(path, **parse_options(url, {"capacity": parse_size}))
+        return cls(_url_path(url), **parse_options(url, {"capacity": parse_size}))
+
+    @classmethod
+    def open_existing(cls, url: str) -> "FileStore":
+        return cls(_url_path(url), **parse_options(url, {"capacity": parse_size}), create=False)
 
     def describe(self) -> str:
         capacity = "" if self.capacity is None else f"?capacity={format_size(self.capacity).replace(' ', '')}"
@@ -369,6 +379,14 @@ class _Staged:
         if self._fd >= 0:
             os.close(self._fd)  # releases the flock
             self._fd = -1
+
+
+def _url_path(url: str) -> str:
+    base, _ = split_query(url)
+    path = unquote(base.strip()[len("file://"):])
+    if not path:
+        raise UsageError("a file store URL needs a path: file:///var/cache/kvtool or file://./cache")
+    return path
 
 
 def _fetch_all(db: sqlite3.Connection, query: str, params: list[str]) -> list[tuple[str]]:

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from kvtool.errors import UsageError
+from kvtool.errors import MissingStoreError, UsageError
 
 T = TypeVar("T")
 
@@ -60,8 +60,10 @@ FAILED = Failed()
 class FileIndex:
     """The index of the store at ``root``: connection, queries and transactions."""
 
-    def __init__(self, root: Path, busy_timeout_s: float, owner: str, on_error: Callable[[], None]) -> None:
+    def __init__(self, root: Path, busy_timeout_s: float, owner: str, on_error: Callable[[], None],
+                 create: bool = True) -> None:
         self.root = root
+        self.create = create  # False: open an existing index as it is, never create or upgrade one
         self.busy_timeout_s = busy_timeout_s
         self.owner = owner  # the store's name, for log messages
         self._on_error = on_error  # counts a failure in the store's metrics
@@ -117,11 +119,17 @@ class FileIndex:
 
     def _connect(self) -> sqlite3.Connection:
         path = self.root / INDEX
-        try:
-            db = sqlite3.connect(path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False)
-            if db.execute("PRAGMA user_version").fetchone()[0] > SCHEMA_VERSION:
+        try:  # an existing store's index is opened as it is: mode=rw never creates the file
+            target, uri = (str(path), False) if self.create else (f"{path.as_uri()}?mode=rw", True)
+            db = sqlite3.connect(target, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False,
+                                 uri=uri)
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
                 db.close()
                 raise UsageError(f"file store {self.root} was made by a newer kvtool (index version too new)")
+            if not self.create and version < SCHEMA_VERSION:
+                db.close()
+                raise MissingStoreError(f"file store {self.root} is not a file store (its index.sqlite3 holds no index)")
             if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = NORMAL")
