@@ -1,0 +1,419 @@
+"""A differential torture test of kvtool's vLLM connector.
+
+    .venv-vllm/bin/python benchmarks/torture.py --seed 7 --requests 500 --json
+
+A seeded random workload (sessions with shared and private prefixes, several tenants by
+``cache_salt``, prompts that end mid-entry and mid-block, concurrent requests, a KV space
+small enough that vLLM preempts) runs twice on vLLM's CPU build in the same process mode:
+once through vLLM's own prefix cache (the reference), once with kvtool's connector over a
+file store (and a Redis tier when ``redis-server`` is installed), with faults injected
+between saves and restores: entries deleted, truncated or bit-flipped, the file tier filled
+to its capacity, Redis killed and restarted, the engine SIGKILLed and started again over
+the same store, and a second engine serving from the same store. Block size and entry
+size are drawn from the seed, so runs differ.
+
+Every kvtool output is compared with the reference's for the same prompt in the same
+batch. vLLM's own greedy output can depend on the position its computation starts from
+(what its prefix cache held), and kvtool restores whole entries where vLLM's cache hits
+whole blocks. So where they differ, the batch is replayed through vLLM alone with its
+prefix cache holding exactly the tokens kvtool restored for each request: if vLLM then
+gives kvtool's output, the difference is vLLM's own (``vllm_own``); otherwise it is
+``wrong``. Each difference is listed with the three outputs.
+The last line printed is one JSON object (with ``--json``) or a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ROOT / "samples" / "texts"
+ENGINE = Path(__file__).with_name("torture_engine.py")
+FAULTS = ("delete", "truncate", "bitflip", "tier_full", "redis_restart", "engine_kill", "second_engine")
+TENANTS = (None, "tenant-a", "tenant-b")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    salt: str | None
+
+
+@dataclass
+class Round:
+    """One step of the workload: a fault injected first (or none), then batches run at once."""
+
+    fault: str | None
+    batches: list[list[Prompt]]
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    restored_requests: int = 0
+    restored_tokens: int = 0
+    recomputed_after_fault: int = 0
+    wrong: int = 0
+    vllm_own: int = 0
+    preemptions: int = 0
+    faults: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in FAULTS})
+
+
+def build_workload(rng: random.Random, requests: int, concurrency: int, fault_rate: float,
+                   faults: tuple[str, ...]) -> list[Round]:
+    """Sessions over shared system prefixes; each turn appends to its session's prompt."""
+    texts = [p.read_text() for p in sorted(TEXTS.glob("*.txt"))]
+    shared = [t[: rng.randrange(1500, 4000)] for t in texts]
+    sessions: list[tuple[str | None, str]] = []
+    rounds: list[Round] = []
+    made = 0
+    cycle: list[str] = []
+    while made < requests:
+        batch: list[Prompt] = []
+        for _ in range(min(concurrency, requests - made)):
+            if not sessions or rng.random() < 0.3:
+                base = rng.choice(shared) if rng.random() < 0.8 else ""
+                sessions.append((rng.choice(TENANTS), base))
+            i = rng.randrange(len(sessions))
+            salt, text = sessions[i]
+            source = rng.choice(texts)
+            start = rng.randrange(0, len(source) - 800)
+            text = (text + "\n\nUser: " + source[start: start + rng.randrange(200, 800)])[-5000:]
+            sessions[i] = (salt, text)
+            batch.append(Prompt(text + "\nAssistant:", salt))
+        made += len(batch)
+        fault = None
+        if faults and rounds and rng.random() < fault_rate:  # not before the first saves
+            if not cycle:  # every kind once per cycle, in a seeded order
+                cycle = rng.sample(faults, len(faults))
+            fault = cycle.pop()
+        split = fault == "second_engine" and len(batch) > 1
+        rounds.append(Round(fault, [batch[::2], batch[1::2]] if split else [batch]))
+    return rounds
+
+
+class Engine:
+    """A torture_engine.py process; ``kill`` is SIGKILL, as a crash would be."""
+
+    def __init__(self, spec: dict, work: Path, name: str) -> None:
+        spec_file = work / f"{name}.json"
+        spec_file.write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.log = open(work / f"{name}.log", "ab")  # noqa: SIM115  (open as long as the process runs)
+        self.proc = subprocess.Popen([sys.executable, str(ENGINE), str(spec_file)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                     start_new_session=True)
+        self.preemptions = 0
+        self._expect("READY", timeout=600)
+
+    def _expect(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"engine exited (status {self.proc.poll()}); see {self.log.name}")
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        raise TimeoutError(f"engine gave no {prefix} within {timeout:.0f} s")
+
+    def send(self, batch: list[Prompt], max_tokens: int) -> None:
+        self.command({"prompts": [{"text": p.text, "salt": p.salt} for p in batch], "max_tokens": max_tokens})
+
+    def command(self, command: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> list[dict]:
+        reply = json.loads(self._expect("RESULT ", timeout=600))
+        self.preemptions = reply["preemptions"]
+        return reply["results"]
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return
+        self.log.close()
+
+
+def run_rounds(engines: list[Engine], rounds: list[Round], max_tokens: int,
+               before_round=None) -> list[list[list[dict]]]:
+    """Each round's batches: at once on separate engines where there are enough, else one after another."""
+    outputs = []
+    for number, rnd in enumerate(rounds):
+        if before_round is not None:
+            before_round(number, rnd)
+        results: list[list[dict]] = []
+        for start in range(0, len(rnd.batches), len(engines)):
+            group = list(zip(engines, rnd.batches[start: start + len(engines)]))
+            for engine, batch in group:
+                engine.send(batch, max_tokens)
+            results.extend(engine.receive() for engine, _ in group)
+        outputs.append(results)
+    return outputs
+
+
+class Redis:
+    """A throwaway redis-server on a loopback port, killed and restarted by the fault injector."""
+
+    def __init__(self, work: Path) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.work = work
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=self.work)
+        for _ in range(100):
+            try:
+                import socket
+
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class Faults:
+    """Injects one fault kind between a save and the restores that follow it."""
+
+    def __init__(self, rng: random.Random, store_dir: Path, store_url: str, capacity: int,
+                 redis: Redis | None, tally: Tally) -> None:
+        self.rng, self.store_dir, self.store_url, self.capacity = rng, store_dir, store_url, capacity
+        self.redis, self.tally = redis, tally
+
+    def entry_files(self) -> list[Path]:
+        return sorted(self.store_dir.rglob("*.kve"))
+
+    def damage(self, kind: str) -> bool:
+        files = self.entry_files()
+        if not files:
+            return False
+        newest = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)  # what the next turns may restore
+        for path in self.rng.sample(newest[: max(1, len(files) // 2)], max(1, len(files) // 4)):
+            if kind == "delete":
+                path.unlink(missing_ok=True)
+            elif kind == "truncate":
+                os.truncate(path, path.stat().st_size // 2)
+            else:
+                with open(path, "r+b") as f:
+                    f.seek(self.rng.randrange(path.stat().st_size))
+                    byte = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([byte[0] ^ (1 << self.rng.randrange(8))]))
+        return True
+
+    def fill_tier(self) -> bool:
+        """Other entries up to the file tier's capacity, so the next saves must make room."""
+        from kvtool.store import open_store
+
+        with open_store(f"file://{self.store_dir}?capacity={self.capacity}") as store:
+            filler = os.urandom(256 * 1024)
+            for i in range(self.capacity // len(filler)):
+                store.put(f"torture-filler-{self.rng.getrandbits(64):016x}-{i}", filler)
+        return True
+
+    def recover(self) -> None:
+        if self.redis is not None and self.redis.proc is None:
+            self.redis.start()
+
+    def inject(self, kind: str, swap_engine) -> bool:
+        if kind in ("delete", "truncate", "bitflip"):
+            done = self.damage(kind)
+        elif kind == "tier_full":
+            done = self.fill_tier()
+        elif kind == "redis_restart":
+            if self.redis is None:
+                return False
+            self.redis.stop()  # down for this round; ``recover`` starts it again (empty) before the next
+            done = True
+        else:
+            done = swap_engine(kind)
+        if done:
+            self.tally.faults[kind] += 1
+        return done
+
+
+def engine_spec(model: str, store: str | None, prefix_caching: bool, shape: dict, seed: int) -> dict:
+    return {"model": model, "store": store, "prefix_caching": prefix_caching, "seed": seed, **shape}
+
+
+def replay(engine: Engine, batch: list[Prompt], results: list[dict], max_tokens: int) -> list[dict]:
+    """The batch through vLLM alone, its prefix cache holding exactly what kvtool restored per request.
+
+    vLLM then computes each prompt from the same position as it did behind kvtool, so an
+    output that depends on where the computation starts (vLLM's own numerics) is the same,
+    and only a difference in the restored KV itself remains.
+    """
+    engine.command({"reset": True})
+    engine.receive()
+    warm = [{"token_ids": r["prompt_token_ids"][: r["restored"]], "salt": p.salt}
+            for p, r in zip(batch, results) if r["restored"]]
+    if warm:
+        engine.command({"prompts": warm, "max_tokens": 1})
+        engine.receive()
+    engine.command({"prompts": [{"token_ids": r["prompt_token_ids"], "salt": p.salt} for p, r in zip(batch, results)],
+                    "max_tokens": max_tokens})
+    return engine.receive()
+
+
+def compare(rounds: list[Round], kvtool_out, reference_out, rerun) -> tuple[int, int, list[dict]]:
+    """(wrong, vllm_own, the differences): see the module's docstring for what tells them apart."""
+    wrong = own = 0
+    differences = []
+    for number, rnd in enumerate(rounds):
+        for b, batch in enumerate(rnd.batches):
+            replayed = None
+            for i, _prompt in enumerate(batch):
+                got, want = kvtool_out[number][b][i], reference_out[number][b][i]
+                if got["tokens"] == want["tokens"]:
+                    continue
+                replayed = replayed if replayed is not None else rerun(batch, kvtool_out[number][b])
+                same = replayed[i]["tokens"] == got["tokens"]
+                own, wrong = own + same, wrong + (not same)
+                differences.append({"round": number, "batch": b, "request": i, "restored": got["restored"],
+                                    "failed_entries": got["failed_entries"], "kvtool": got["tokens"],
+                                    "reference": want["tokens"], "vllm_from_same_position": replayed[i]["tokens"],
+                                    "vllm_own": same})
+    return wrong, own, differences
+
+
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    block_size = rng.choice(args.block_sizes)
+    chunk_tokens = block_size * rng.choice([1, 2, 3])
+    shape = {"block_size": block_size, "chunk_tokens": chunk_tokens,
+             "num_blocks": -(-2048 // block_size) + rng.randrange(2, 8)}
+    faults = tuple(f for f in FAULTS if f in args.faults and (f != "redis_restart" or shutil.which("redis-server")))
+    rounds = build_workload(rng, args.requests, args.concurrency, args.fault_rate, faults)
+    tally = Tally(requests=sum(len(b) for r in rounds for b in r.batches))
+    work = Path(tempfile.mkdtemp(prefix="kvtool-torture-"))
+    started = time.monotonic()
+    try:
+        reference = Engine(engine_spec(args.model, None, True, shape, args.seed), work, "reference")
+        reference_out = run_rounds([reference], rounds, args.max_tokens)
+        reference_preemptions = reference.preemptions
+        reference.close()
+
+        store_dir = work / "store"
+        redis = Redis(work) if "redis_restart" in faults else None
+        capacity = args.file_capacity_mib << 20
+        store_url = f"file://{store_dir}?capacity={capacity}" + (f",{redis.url}" if redis else "")
+        spec = engine_spec(args.model, store_url, False, shape, args.seed)
+        engines = [Engine(spec, work, "kvtool-0")]
+        starts = [1]
+        injector = Faults(rng, store_dir, store_url, capacity, redis, tally)
+
+        def swap_engine(kind: str) -> bool:
+            if kind == "engine_kill":
+                tally.preemptions += engines[0].preemptions
+                engines[0].kill()
+                engines[0] = Engine(spec, work, f"kvtool-{starts[0]}")
+                starts[0] += 1
+            elif kind == "second_engine" and len(engines) == 1:
+                engines.append(Engine(spec, work, "kvtool-second"))
+            return True
+
+        def before_round(number: int, rnd: Round) -> None:
+            injector.recover()
+            if rnd.fault:
+                injector.inject(rnd.fault, swap_engine)
+
+        kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round)
+        for engine in engines:
+            tally.preemptions += engine.preemptions
+            engine.close()
+        if redis:
+            redis.stop()
+
+        replayer: list[Engine] = []
+
+        def rerun(batch: list[Prompt], results: list[dict]) -> list[dict]:
+            if not replayer:
+                replayer.append(Engine(engine_spec(args.model, None, True, shape, args.seed), work, "replay"))
+            return replay(replayer[0], batch, results, args.max_tokens)
+
+        tally.wrong, tally.vllm_own, differences = compare(rounds, kvtool_out, reference_out, rerun)
+        for engine in replayer:
+            engine.close()
+        for batches in kvtool_out:
+            for results in batches:
+                for r in results:
+                    tally.restored_requests += r["restored"] > 0
+                    tally.restored_tokens += r["restored"]
+                    tally.recomputed_after_fault += r["failed_entries"] > 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"seed": args.seed, **shape, "concurrency": args.concurrency, "rounds": len(rounds),
+            "requests": tally.requests, "restored_requests": tally.restored_requests,
+            "restored_tokens": tally.restored_tokens, "recomputed_after_fault": tally.recomputed_after_fault,
+            "wrong": tally.wrong, "vllm_own": tally.vllm_own, "faults": tally.faults,
+            "preemptions": tally.preemptions, "reference_preemptions": reference_preemptions,
+            "differences": differences, "seconds": round(time.monotonic() - started, 1), **({"work": str(work)} if args.keep else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="workload seed (printed)")
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--fault-rate", type=float, default=0.5, help="chance of a fault before each round")
+    parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64, 128])
+    parser.add_argument("--file-capacity-mib", type=int, default=64, help="the file tier's capacity")
+    parser.add_argument("--model", default=str(ROOT / "out" / "smollm2-135m"))
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (engine logs, store)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args(argv)
+    print(f"torture: seed {args.seed}, {args.requests} requests", file=sys.stderr, flush=True)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, value in result.items():
+            print(f"{name:24} {value}")
+    return 1 if result["wrong"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""A few minutes of benchmarks/torture.py: kvtool's connector against vLLM's own prefix cache, with faults.
+
+    .venv-vllm/bin/python -m pytest tests/vllm_e2e/test_torture.py
+
+The seed changes from run to run (``KVTOOL_TORTURE_SEED`` fixes it) and is printed, so a
+failure can be replayed with ``benchmarks/torture.py --seed N``. Every fault kind is
+injected at least once; no output may differ from vLLM's own beyond what vLLM itself
+varies (benchmarks/torture.py says how that is told apart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: create its environment with scripts/vllm-env.sh")
+
+ROOT = Path(__file__).resolve().parents[2]
+TORTURE = ROOT / "benchmarks" / "torture.py"
+
+
+def test_torture_finds_no_wrong_output(model: Path) -> None:
+    seed = int(os.environ.get("KVTOOL_TORTURE_SEED") or random.randrange(100000))
+    print(f"torture seed {seed} (replay: benchmarks/torture.py --seed {seed} --requests 24 --concurrency 3 "
+          "--fault-rate 1)")
+    proc = subprocess.run(
+        [sys.executable, str(TORTURE), "--seed", str(seed), "--requests", "24", "--concurrency", "3",
+         "--fault-rate", "1", "--model", str(model), "--json"],
+        check=False, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(result))
+    assert result["requests"] == 24
+    assert result["wrong"] == 0, f"seed {seed}: {result}"
+    assert result["restored_requests"] >= 1 and result["restored_tokens"] > 0
+    injected = {kind for kind, count in result["faults"].items() if count}
+    expected = set(result["faults"]) - (set() if shutil.which("redis-server") else {"redis_restart"})
+    assert injected == expected, result["faults"]
