@@ -404,6 +404,10 @@ release:
 PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_decode(PyObject *self, PyObject *args);
+/* The ctxtans coder's bindings live in ctxtans_py.c. */
+PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -414,6 +418,9 @@ static PyMethodDef methods[] = {
     {"ctxans_model", kvn_py_ctxans_model, METH_VARARGS, "A dictionary's ctxans coder tables, as a capsule."},
     {"ctxans_encode", kvn_py_ctxans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxans chunk."},
     {"ctxans_decode", kvn_py_ctxans_decode, METH_VARARGS, "Decode one ctxans chunk into a C-contiguous block; returns a status."},
+    {"ctxtans_model", kvn_py_ctxtans_model, METH_VARARGS, "A dictionary's ctxtans tANS tables, as a capsule."},
+    {"ctxtans_encode", kvn_py_ctxtans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxtans chunk."},
+    {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},

@@ -1,0 +1,683 @@
+/* ctxtans: a float KV block coded with a model dictionary's context models and tANS.
+ *
+ * The symbols are ctxans's (see ctxans.c): each value's sign and level (exponent and
+ * top mantissa bit) relative to its channel's reference, coded in the context its
+ * channel's previous token left with the models of the channel's dictionary class;
+ * repeated rows named; the low mantissa bits raw. The coder is what makes the
+ * difference: every model is a tANS table of 2^11 states built once per dictionary
+ * (kvtool/_native/ctxtans_tables.py), and all tables share one state space, so a value
+ * decodes in one table step: entry = table[class row + context row + state] gives the
+ * symbol, how many bits to read and the next state's base, with the context the symbol
+ * leaves packed in. Eight states are interleaved (symbol i uses state i % 8), so eight
+ * independent lookups are in flight. A chunk the dictionary codes worse than a Huffman
+ * code of its own counts would is an exphuff chunk instead (mode 1).
+ *
+ * kvtool/_native/ctxtans_reference.py is the same format in numpy; docs/FORMAT.md
+ * describes the bytes.
+ */
+#include <stdlib.h>
+
+#include "ctxtans.h"
+#include "huffman.h"
+
+#define VERSION 1
+#define MODE_DICT 0
+#define MODE_EXPHUFF 1
+#define FLAG_REPEATS 1u
+#define HEAD_SIZE 18 /* version, mode, flags, reserved, tag[4], u16 base, u32 escapes, u32 stream bytes */
+#define STATES 8
+#define L KVN_TANS_LOG
+#define T KVN_TANS_SIZE
+#define LEVELS 32
+#define LOW (-22)
+#define REF_SYMBOLS 32
+#define COST_LANES KVN_TANS_MAX_CLASSES
+#define COST_RUN 512 /* tokens summed in 16-bit lanes: a symbol costs at most 8 * 11 */
+#define MIN_STREAM 12 /* eight states of 11 bits and the end marker */
+
+#define KVN_INLINE static inline __attribute__((always_inline))
+
+struct kvn_tans_model {
+    int classes, contexts, start_context;
+    size_t class_model, ref_model;
+    uint32_t *dec;   /* per model and state: symbol | nbits << 6 | base << 10 | context_of[symbol] << 21 */
+    uint16_t *enc;   /* per model: the states of each symbol, by symbol then rank */
+    uint32_t *info;  /* per model and symbol: g | start << 12 | (11 - floor(log2 g)) << 24 */
+    int16_t *cost;   /* [contexts * 64][COST_LANES]: classes' costs, zero padded */
+    int32_t class_cost[KVN_TANS_MAX_CLASSES];
+    uint8_t context_of[KVN_TANS_SYMBOLS];
+    uint8_t tag[4];
+};
+
+kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
+                                   const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
+                                   const uint16_t *base, const uint16_t *encode, const int32_t *cost,
+                                   const int32_t *class_cost, const uint8_t *context_of, const uint8_t tag[4]) {
+    if (classes < 1 || classes > KVN_TANS_MAX_CLASSES || contexts < 1 || contexts > KVN_TANS_MAX_CONTEXTS ||
+        start_context < 0 || start_context >= contexts)
+        return NULL;
+    for (int s = 0; s < KVN_TANS_SYMBOLS; s++)
+        if (context_of[s] >= contexts) return NULL;
+    size_t models = (size_t)classes * (size_t)contexts + 2;
+    for (size_t k = 0; k < models; k++) { /* every state decodes to a used symbol and a state of the table */
+        uint32_t total = 0;
+        for (int s = 0; s < KVN_TANS_SYMBOLS; s++) {
+            if (start[k * KVN_TANS_SYMBOLS + s] != total || (g[k * KVN_TANS_SYMBOLS + s] == 0 && k + 2 < models)) return NULL;
+            total += g[k * KVN_TANS_SYMBOLS + s];
+        }
+        if (total != T) return NULL;
+        for (size_t u = 0; u < T; u++) {
+            size_t i = k * T + u;
+            if (symbol[i] >= KVN_TANS_SYMBOLS || !g[k * KVN_TANS_SYMBOLS + symbol[i]] || nbits[i] > L ||
+                (uint32_t)base[i] + (1u << nbits[i]) > T || encode[i] >= T)
+                return NULL;
+        }
+    }
+    for (size_t i = 0; i < (size_t)contexts * KVN_TANS_SYMBOLS * (size_t)classes; i++)
+        if (cost[i] < 0 || cost[i] > 8 * L) return NULL;
+    kvn_tans_model *m = calloc(1, sizeof(*m));
+    if (!m) return NULL;
+    m->dec = malloc(models * T * sizeof(uint32_t));
+    m->enc = malloc(models * T * sizeof(uint16_t));
+    m->info = malloc(models * KVN_TANS_SYMBOLS * sizeof(uint32_t));
+    m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * COST_LANES, sizeof(int16_t));
+    if (!m->dec || !m->enc || !m->info || !m->cost) {
+        kvn_tans_model_free(m);
+        return NULL;
+    }
+    m->classes = classes;
+    m->contexts = contexts;
+    m->start_context = start_context;
+    m->class_model = (size_t)classes * (size_t)contexts;
+    m->ref_model = m->class_model + 1;
+    for (size_t i = 0; i < models * T; i++)
+        m->dec[i] = symbol[i] | (uint32_t)nbits[i] << 6 | (uint32_t)base[i] << 10 | (uint32_t)context_of[symbol[i]] << 21;
+    memcpy(m->enc, encode, models * T * sizeof(uint16_t));
+    for (size_t i = 0; i < models * KVN_TANS_SYMBOLS; i++) {
+        uint32_t f = g[i];
+        m->info[i] = f | (uint32_t)start[i] << 12 | (f ? (uint32_t)(L - (31 - __builtin_clz(f))) : 0u) << 24;
+    }
+    for (size_t r = 0; r < (size_t)contexts * KVN_TANS_SYMBOLS; r++)
+        for (int k = 0; k < classes; k++) m->cost[r * COST_LANES + k] = (int16_t)cost[r * (size_t)classes + (size_t)k];
+    memcpy(m->class_cost, class_cost, (size_t)classes * sizeof(int32_t));
+    memcpy(m->context_of, context_of, KVN_TANS_SYMBOLS);
+    memcpy(m->tag, tag, 4);
+    return m;
+}
+
+void kvn_tans_model_free(kvn_tans_model *m) {
+    if (!m) return;
+    free(m->dec);
+    free(m->enc);
+    free(m->info);
+    free(m->cost);
+    free(m);
+}
+
+/* ---- values ---------------------------------------------------------------------------- */
+
+typedef struct {
+    unsigned width, raw_bits, sign_shift;
+    uint32_t level_count, raw_mask;
+} split;
+
+static split split_of(int dtype) {
+    static const unsigned EBITS[KVN_NDTYPES] = {8, 5, 8, 4, 5}, MBITS[KVN_NDTYPES] = {7, 10, 23, 3, 2};
+    unsigned w = (unsigned)kvn_itemsize(dtype), e = EBITS[dtype], mb = MBITS[dtype];
+    split s = {w, mb - 1, 8 * w - 1, 1u << (e + 1), (1u << (mb - 1)) - 1};
+    return s;
+}
+
+KVN_INLINE uint32_t load(const uint8_t *p, unsigned width) {
+    if (width == 2) { uint16_t v; memcpy(&v, p, 2); return v; }
+    if (width == 4) { uint32_t v; memcpy(&v, p, 4); return v; }
+    return *p;
+}
+
+KVN_INLINE void store(uint8_t *p, uint32_t v, unsigned width) {
+    if (width == 2) { uint16_t w = (uint16_t)v; memcpy(p, &w, 2); }
+    else if (width == 4) memcpy(p, &v, 4);
+    else *p = (uint8_t)v;
+}
+
+KVN_INLINE unsigned symbol_of(uint32_t v, uint32_t ref, const split *sp) {
+    uint32_t level = (v >> sp->raw_bits) & (sp->level_count - 1);
+    uint32_t q = level - ref - (uint32_t)LOW + 1; /* wraps to a large number below the window */
+    return (v >> sp->sign_shift) * LEVELS + (q - 1 < LEVELS - 1 ? q : 0);
+}
+
+static int check_block(const kvn_block *b) {
+    if (b->dtype < 0 || b->dtype >= KVN_NDTYPES) return KVN_ERR_ARG;
+    if (b->heads > 1 && b->head_stride < b->tokens * b->dim) return KVN_ERR_ARG;
+    if (b->tokens > KVN_TANS_MAX_TOKENS || b->heads * b->tokens > 0xFFFFFFFFu) return KVN_ERR_ARG;
+    return KVN_OK;
+}
+
+static size_t raw_bytes(size_t values, unsigned raw_bits) { return (values * raw_bits + 7) / 8; }
+
+size_t kvn_tans_bound(const kvn_block *b) {
+    size_t n = b->heads * b->tokens * b->dim, channels = b->heads * b->dim, rows = b->heads * b->tokens;
+    size_t coded = HEAD_SIZE + 4 + (rows + 7) / 8 + 5 * rows + 2 * (n + channels) +
+                   raw_bytes(n, split_of(b->dtype).raw_bits) + ((n + 2 * channels) * L + STATES * L + 8) / 8 + 16;
+    size_t fallback = 2 + kvn_exphuff_bound(b);
+    return coded > fallback ? coded : fallback;
+}
+
+/* LSB-first bit writer; every put may write 8 bytes at p. */
+typedef struct {
+    uint8_t *p;
+    uint64_t acc;
+    unsigned n;
+} bit_writer;
+
+KVN_INLINE void put_bits(bit_writer *w, uint64_t v, unsigned nb) {
+    w->acc |= v << w->n;
+    w->n += nb;
+    kvn_wr64(w->p, w->acc);
+    w->p += w->n >> 3;
+    w->acc >>= w->n & ~7u; /* n < 8 + 22: never a whole word */
+    w->n &= 7;
+}
+
+/* The bytes written; the last partial byte zero padded. */
+static size_t finish_bits(bit_writer *w, uint8_t *start) {
+    if (w->n) *w->p++ = (uint8_t)w->acc;
+    return (size_t)(w->p - start);
+}
+
+/* ---- encode ---------------------------------------------------------------------------- */
+
+/* For each row (t, h) in back[t * heads + h]: how many tokens back the nearest earlier equal row
+ * of the head is, 0 for none. Rows are found by hash and confirmed byte for byte. */
+static int find_repeats(const kvn_block *b, const uint8_t *src, unsigned width, uint32_t *back, size_t *repeated) {
+    size_t rows = b->tokens, row_bytes = b->dim * width, size = 16;
+    while (size < 2 * rows) size <<= 1;
+    uint64_t *hashes = malloc(size * sizeof(uint64_t));
+    uint32_t *latest = malloc(size * sizeof(uint32_t)); /* token + 1 of the latest row with that hash; 0: empty */
+    int rc = hashes && latest ? KVN_OK : KVN_ERR_NOMEM;
+    *repeated = 0;
+    for (size_t h = 0; !rc && h < b->heads; h++) {
+        const uint8_t *head = src + h * b->head_stride * width;
+        memset(latest, 0, size * sizeof(uint32_t));
+        for (size_t t = 0; t < rows; t++) {
+            const uint8_t *row = head + t * row_bytes;
+            uint64_t hash = kvn_xxh3_64(row, row_bytes);
+            size_t slot = (size_t)hash & (size - 1);
+            while (latest[slot] && hashes[slot] != hash) slot = (slot + 1) & (size - 1);
+            uint32_t found = 0;
+            if (latest[slot]) {
+                size_t prev = latest[slot] - 1;
+                if (!memcmp(head + prev * row_bytes, row, row_bytes)) found = (uint32_t)(t - prev);
+                else /* two rows with one hash: look back row by row */
+                    for (size_t u = t; u-- > 0;)
+                        if (!memcmp(head + u * row_bytes, row, row_bytes)) { found = (uint32_t)(t - u); break; }
+            }
+            hashes[slot] = hash;
+            latest[slot] = (uint32_t)(t + 1);
+            back[t * b->heads + h] = found;
+            *repeated += found != 0;
+        }
+    }
+    free(hashes);
+    free(latest);
+    return rc;
+}
+
+/* Channel references (floor of the mean level) and every value's symbol, sym[t * C + c]. */
+KVN_INLINE void symbols_w(const kvn_block *b, const uint8_t *src, const split *sp, uint32_t *restrict refs,
+                          uint8_t *restrict sym, unsigned width) {
+    size_t H = b->heads, T_ = b->tokens, D = b->dim, C = H * D;
+    memset(refs, 0, C * sizeof(uint32_t));
+    for (size_t h = 0; h < H; h++)
+        for (size_t t = 0; t < T_; t++) {
+            const uint8_t *row = src + (h * b->head_stride + t * D) * width;
+            uint32_t *r = refs + h * D;
+            for (size_t d = 0; d < D; d++) r[d] += (load(row + d * width, width) >> sp->raw_bits) & (sp->level_count - 1);
+        }
+    for (size_t c = 0; c < C; c++) refs[c] /= (uint32_t)T_;
+    for (size_t h = 0; h < H; h++)
+        for (size_t t = 0; t < T_; t++) {
+            const uint8_t *row = src + (h * b->head_stride + t * D) * width;
+            uint8_t *s = sym + t * C + h * D;
+            const uint32_t *r = refs + h * D;
+            for (size_t d = 0; d < D; d++) s[d] = (uint8_t)symbol_of(load(row + d * width, width), r[d], sp);
+        }
+}
+
+KVN_MULTIVERSION
+static void symbols(const kvn_block *b, const uint8_t *src, const split *sp, uint32_t *refs, uint8_t *sym) {
+    switch (sp->width) {
+    case 2: symbols_w(b, src, sp, refs, sym, 2); break;
+    case 4: symbols_w(b, src, sp, refs, sym, 4); break;
+    default: symbols_w(b, src, sp, refs, sym, 1);
+    }
+}
+
+/* Each channel's class, the cheapest for its coded symbols in their contexts (the lowest on a tie);
+ * returns the summed cost of the choices in 1/8 bits. */
+KVN_MULTIVERSION
+static uint64_t choose_classes(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
+                               uint8_t *cls) {
+    size_t H = b->heads, D = b->dim, C = H * D;
+    uint64_t total = 0;
+    for (size_t c = 0; c < C; c++) {
+        size_t h = c / D;
+        int64_t sum[COST_LANES] = {0};
+        uint16_t run[COST_LANES];
+        size_t in_run = 0;
+        memset(run, 0, sizeof(run));
+        for (size_t t = 0; t < b->tokens; t++) {
+            size_t ctx = t ? m->context_of[sym[(t - 1) * C + c]] : (size_t)m->start_context;
+            if (!back[t * H + h]) {
+                const int16_t *row = m->cost + (ctx * KVN_TANS_SYMBOLS + sym[t * C + c]) * COST_LANES;
+                for (int k = 0; k < COST_LANES; k++) run[k] = (uint16_t)(run[k] + (uint16_t)row[k]);
+            }
+            if (++in_run == COST_RUN) {
+                for (int k = 0; k < COST_LANES; k++) sum[k] += run[k];
+                memset(run, 0, sizeof(run));
+                in_run = 0;
+            }
+        }
+        int best = 0;
+        int64_t best_cost = INT64_MAX;
+        for (int k = 0; k < m->classes; k++) {
+            int64_t cost = sum[k] + run[k] + m->class_cost[k];
+            if (cost < best_cost) { best_cost = cost; best = k; }
+        }
+        cls[c] = (uint8_t)best;
+        total += (uint64_t)best_cost;
+    }
+    return total;
+}
+
+/* The bits a Huffman code of the chunk's own counts of the coded symbols would take. */
+static uint64_t huffman_bits(const kvn_block *b, const uint8_t *sym, const uint32_t *back) {
+    size_t H = b->heads, D = b->dim, C = H * D;
+    uint32_t count[256] = {0};
+    for (size_t t = 0; t < b->tokens; t++)
+        for (size_t h = 0; h < H; h++)
+            if (!back[t * H + h])
+                for (size_t d = 0; d < D; d++) count[sym[t * C + h * D + d]]++;
+    uint8_t len[256];
+    kvn_huf_lengths(count, len);
+    uint64_t bits = 0;
+    for (int s = 0; s < 256; s++) bits += (uint64_t)count[s] * len[s];
+    return bits;
+}
+
+KVN_INLINE void tans_put(const kvn_tans_model *m, size_t model, unsigned s, uint32_t *x, bit_writer *w) {
+    uint32_t info = m->info[model * KVN_TANS_SYMBOLS + s], f = info & 0xFFF, shift = info >> 24;
+    uint32_t nb = shift - (*x < f << shift);
+    put_bits(w, *x & ((1u << nb) - 1), nb);
+    *x = T + m->enc[model * T + ((info >> 12) & 0xFFF) + (*x >> nb) - f];
+}
+
+/* The tANS stream of the side information and the coded values, written forwards at w. */
+KVN_MULTIVERSION
+static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
+                          const uint8_t *cls, const uint32_t *refs, uint32_t base, size_t n_coded, bit_writer *w) {
+    size_t H = b->heads, D = b->dim, C = H * D, X = (size_t)m->contexts;
+    uint32_t x[STATES];
+    for (int k = 0; k < STATES; k++) x[k] = T;
+    size_t i = 2 * C + n_coded;
+    for (size_t t = b->tokens; t-- > 0;) {
+        const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
+        for (size_t h = H; h-- > 0;) {
+            if (back[t * H + h]) continue;
+            for (size_t c = (h + 1) * D; c-- > h * D;) {
+                size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
+                i--;
+                tans_put(m, (size_t)cls[c] * X + ctx, s[c], &x[i % STATES], w);
+            }
+        }
+    }
+    for (size_t c = C; c-- > 0;) {
+        uint32_t offset = refs[c] - base;
+        tans_put(m, m->ref_model, offset < REF_SYMBOLS - 1 ? offset : REF_SYMBOLS - 1, &x[(2 * c + 1) % STATES], w);
+        tans_put(m, m->class_model, cls[c], &x[(2 * c) % STATES], w);
+    }
+    for (int k = 0; k < STATES; k++) put_bits(w, x[k] - T, L);
+    put_bits(w, 1, 1);
+}
+
+/* The escape list (references, then the levels of escaped values in coding order) and the raw bits. */
+KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
+                                  const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw, unsigned width) {
+    size_t H = b->heads, D = b->dim, C = H * D;
+    for (size_t t = 0; t < b->tokens; t++)
+        for (size_t h = 0; h < H; h++) {
+            if (back[t * H + h]) continue;
+            const uint8_t *row = src + (h * b->head_stride + t * D) * width, *s = sym + t * C + h * D;
+            for (size_t d = 0; d < D; d++) {
+                uint32_t v = load(row + d * width, width);
+                if (!(s[d] % LEVELS)) {
+                    uint32_t level = (v >> sp->raw_bits) & (sp->level_count - 1);
+                    esc[2 * *n_esc] = (uint8_t)level;
+                    esc[2 * *n_esc + 1] = (uint8_t)(level >> 8);
+                    ++*n_esc;
+                }
+                if (sp->raw_bits) put_bits(raw, v & sp->raw_mask, sp->raw_bits);
+            }
+        }
+}
+
+KVN_MULTIVERSION
+static void escapes_and_raw(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
+                            const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw) {
+    switch (sp->width) {
+    case 2: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 2); break;
+    case 4: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 4); break;
+    default: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 1);
+    }
+}
+
+static uint8_t *put_varint(uint8_t *p, uint32_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+static void write_head(uint8_t *p, unsigned flags, const uint8_t tag[4], uint32_t base, size_t n_esc, size_t stream) {
+    p[0] = VERSION;
+    p[1] = MODE_DICT;
+    p[2] = (uint8_t)flags;
+    p[3] = 0;
+    memcpy(p + 4, tag, 4);
+    p[8] = (uint8_t)base;
+    p[9] = (uint8_t)(base >> 8);
+    kvn_wr32(p + 10, (uint32_t)n_esc);
+    kvn_wr32(p + 14, (uint32_t)stream);
+}
+
+int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src_, uint8_t *dst, size_t *written) {
+    int rc = check_block(b);
+    if (rc) return rc;
+    const uint8_t *src = src_;
+    split sp = split_of(b->dtype);
+    size_t H = b->heads, D = b->dim, C = H * D, rows = H * b->tokens, n = rows * D;
+    if (!n) {
+        memset(dst, 0, HEAD_SIZE);
+        write_head(dst, 0, m->tag, 0, 0, 0);
+        *written = HEAD_SIZE;
+        return KVN_OK;
+    }
+    uint8_t *sym = malloc(n), *cls = malloc(C);
+    uint32_t *refs = malloc(C * sizeof(uint32_t)), *back = malloc(rows * sizeof(uint32_t));
+    if (!sym || !cls || !refs || !back) { rc = KVN_ERR_NOMEM; goto done; }
+    size_t repeated;
+    symbols(b, src, &sp, refs, sym);
+    rc = find_repeats(b, src, sp.width, back, &repeated);
+    if (rc) goto done;
+    uint64_t dict_cost = choose_classes(m, b, sym, back, cls);
+    if (8 * huffman_bits(b, sym, back) < dict_cost) { /* the dictionary does not fit: per-chunk statistics */
+        dst[0] = VERSION;
+        dst[1] = MODE_EXPHUFF;
+        rc = kvn_exphuff_encode(b, src, dst + 2, written);
+        *written += 2;
+        goto done;
+    }
+    uint32_t base = refs[0];
+    for (size_t c = 1; c < C; c++) base = refs[c] < base ? refs[c] : base;
+    uint8_t *p = dst + HEAD_SIZE;
+    if (repeated) {
+        uint8_t *body = p + 4, *q = body + (rows + 7) / 8;
+        memset(body, 0, (rows + 7) / 8);
+        for (size_t r = 0; r < rows; r++)
+            if (back[r]) body[r >> 3] |= (uint8_t)(1u << (r & 7));
+        for (size_t r = 0; r < rows; r++)
+            if (back[r]) q = put_varint(q, back[r] - 1);
+        kvn_wr32(p, (uint32_t)(q - body));
+        p = q;
+    }
+    size_t n_esc = 0;
+    for (size_t c = 0; c < C; c++)
+        if (refs[c] - base >= REF_SYMBOLS - 1) {
+            p[2 * n_esc] = (uint8_t)refs[c];
+            p[2 * n_esc + 1] = (uint8_t)(refs[c] >> 8);
+            n_esc++;
+        }
+    /* the value escapes follow; the raw bits go after all escapes, so they are written once the count is known */
+    size_t n_coded = (rows - repeated) * D, value_esc = 0;
+    for (size_t t = 0; t < b->tokens; t++)
+        for (size_t h = 0; h < H; h++)
+            if (!back[t * H + h])
+                for (size_t d = 0; d < D; d++) value_esc += !(sym[t * C + h * D + d] % LEVELS);
+    uint8_t *raw_at = p + 2 * (n_esc + value_esc);
+    bit_writer raw = {raw_at, 0, 0};
+    escapes_and_raw(b, src, sym, back, &sp, p, &n_esc, &raw);
+    uint8_t *stream_at = raw_at + finish_bits(&raw, raw_at);
+    bit_writer w = {stream_at, 0, 0};
+    encode_stream(m, b, sym, back, cls, refs, base, n_coded, &w);
+    size_t stream_len = finish_bits(&w, stream_at);
+    write_head(dst, repeated ? FLAG_REPEATS : 0, m->tag, base, n_esc, stream_len);
+    *written = (size_t)(stream_at + stream_len - dst);
+done:
+    free(sym);
+    free(cls);
+    free(refs);
+    free(back);
+    return rc;
+}
+
+/* ---- decode ---------------------------------------------------------------------------- */
+
+/* Reads the stream backwards from bit `pos`: `bits` holds the 64 stream bits from bit `at` (a
+ * multiple of 8), at least 57 of them below pos after each reload. Bytes up to 8 before the stream
+ * are read (never used): the chunk's head is there. */
+typedef struct {
+    const uint8_t *stream;
+    int64_t pos, at;
+    uint64_t bits;
+} bit_reader;
+
+KVN_INLINE int reload(bit_reader *r) {
+    if (r->pos < 0) return 0;
+    r->at = ((r->pos + 7) >> 3) - 8;
+    r->bits = kvn_rd64(r->stream + r->at);
+    r->at *= 8;
+    return 1;
+}
+
+KVN_INLINE uint32_t read_bits(bit_reader *r, unsigned nb) {
+    r->pos -= nb;
+    return (uint32_t)(r->bits >> (r->pos - r->at)) & ((1u << nb) - 1);
+}
+
+KVN_INLINE unsigned tans_get(const uint32_t *table, uint32_t *x, bit_reader *r) {
+    uint32_t e = table[*x];
+    *x = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);
+    return e & 63;
+}
+
+static int read_repeats(const uint8_t *p, size_t len, size_t rows, uint32_t *back, size_t *repeated) {
+    size_t bitmap = (rows + 7) / 8;
+    if (len < bitmap) return KVN_ERR_CORRUPT;
+    if ((rows & 7) && (p[bitmap - 1] >> (rows & 7))) return KVN_ERR_CORRUPT;
+    const uint8_t *q = p + bitmap, *end = p + len;
+    *repeated = 0;
+    for (size_t r = 0; r < rows; r++) {
+        back[r] = 0;
+        if (!(p[r >> 3] >> (r & 7) & 1)) continue;
+        uint32_t v = 0;
+        for (int shift = 0;; shift += 7) {
+            if (q == end || shift > 28) return KVN_ERR_CORRUPT;
+            uint8_t byte = *q++;
+            v |= (uint32_t)(byte & 0x7F) << shift;
+            if (!(byte & 0x80)) break;
+        }
+        if (v >= 0xFFFFFFFFu) return KVN_ERR_CORRUPT;
+        back[r] = v + 1;
+        ++*repeated;
+    }
+    return q == end ? KVN_OK : KVN_ERR_CORRUPT;
+}
+
+typedef struct {
+    const uint8_t *esc;
+    size_t n_esc, esc_at;
+    const uint8_t *raw;
+    uint64_t raw_pos;
+} side_data;
+
+KVN_INLINE int next_escape(side_data *sd, uint32_t *level) {
+    if (sd->esc_at == sd->n_esc) return 0;
+    *level = sd->esc[2 * sd->esc_at] | (uint32_t)sd->esc[2 * sd->esc_at + 1] << 8;
+    sd->esc_at++;
+    return 1;
+}
+
+/* A row's values from its symbols, the channel references, the escapes and the raw bits. */
+KVN_INLINE int put_row(const split *sp, const uint8_t *s, const uint32_t *refs, size_t D, side_data *sd,
+                       uint8_t *out, unsigned width) {
+    uint32_t bad = 0;
+    for (size_t d = 0; d < D; d++) {
+        uint32_t q = s[d] % LEVELS, level = refs[d] + (uint32_t)(LOW - 1) + q;
+        if (__builtin_expect(!q, 0) && !next_escape(sd, &level)) return KVN_ERR_CORRUPT;
+        bad |= level >= sp->level_count;
+        uint32_t raw = 0;
+        if (sp->raw_bits) {
+            raw = (uint32_t)(kvn_rd64(sd->raw + (sd->raw_pos >> 3)) >> (sd->raw_pos & 7)) & sp->raw_mask;
+            sd->raw_pos += sp->raw_bits;
+        }
+        store(out + d * width, (uint32_t)(s[d] / LEVELS) << sp->sign_shift | level << sp->raw_bits | raw, width);
+    }
+    return bad ? KVN_ERR_CORRUPT : KVN_OK;
+}
+
+KVN_INLINE int decode_rows_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
+                             const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint8_t *sym,
+                             uint32_t *x, bit_reader *r, side_data *sd, uint8_t *dst, unsigned width) {
+    size_t H = b->heads, D = b->dim, C = H * D;
+    const uint32_t *dec = m->dec;
+    size_t i = 2 * C;
+    for (size_t t = 0; t < b->tokens; t++) {
+        uint8_t *s = sym + t * C;
+        for (size_t h = 0; h < H; h++) {
+            uint8_t *out = dst + (h * b->head_stride + t * D) * width;
+            size_t c0 = h * D;
+            if (back[t * H + h]) {
+                if (back[t * H + h] > t) return KVN_ERR_CORRUPT;
+                size_t u = t - back[t * H + h];
+                memcpy(out, dst + (h * b->head_stride + u * D) * width, D * width);
+                memcpy(s + c0, sym + u * C + c0, D);
+                for (size_t c = c0; c < c0 + D; c++) row_of[c] = cls_row[c] + ((uint32_t)m->context_of[s[c]] << L);
+                continue;
+            }
+            if (D % STATES == 0) { /* i % 8 == 0 here: the states are constants */
+                uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
+                for (size_t c = c0; c < c0 + D; c += STATES) {
+#define GET(k)                                                                            \
+    do {                                                                                  \
+        uint32_t e = dec[row_of[c + k] + x##k];                                           \
+        x##k = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);                        \
+        row_of[c + k] = cls_row[c + k] + ((e >> 21) << L);                                \
+        s[c + k] = (uint8_t)(e & 63);                                                     \
+    } while (0)
+                    if (!reload(r)) return KVN_ERR_CORRUPT;
+                    GET(0); GET(1); GET(2); GET(3);
+                    if (!reload(r)) return KVN_ERR_CORRUPT;
+                    GET(4); GET(5); GET(6); GET(7);
+#undef GET
+                }
+                x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
+            } else {
+                for (size_t c = c0; c < c0 + D; c++, i++) {
+                    if (!reload(r)) return KVN_ERR_CORRUPT;
+                    uint32_t e = dec[row_of[c] + x[i % STATES]];
+                    x[i % STATES] = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);
+                    row_of[c] = cls_row[c] + ((e >> 21) << L);
+                    s[c] = (uint8_t)(e & 63);
+                }
+            }
+            int rc = put_row(sp, s + c0, refs + c0, D, sd, out, width);
+            if (rc) return rc;
+        }
+    }
+    return r->pos < 0 ? KVN_ERR_CORRUPT : KVN_OK;
+}
+
+KVN_MULTIVERSION
+static int decode_rows(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
+                       const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint8_t *sym, uint32_t *x,
+                       bit_reader *r, side_data *sd, uint8_t *dst) {
+    switch (sp->width) {
+    case 2: return decode_rows_w(m, b, sp, back, refs, cls_row, row_of, sym, x, r, sd, dst, 2);
+    case 4: return decode_rows_w(m, b, sp, back, refs, cls_row, row_of, sym, x, r, sd, dst, 4);
+    default: return decode_rows_w(m, b, sp, back, refs, cls_row, row_of, sym, x, r, sd, dst, 1);
+    }
+}
+
+int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
+    int rc = check_block(b);
+    if (rc) return rc;
+    size_t H = b->heads, D = b->dim, C = H * D, rows = H * b->tokens, n = rows * D;
+    if (len >= 2 && src[0] == VERSION && src[1] == MODE_EXPHUFF)
+        return n ? kvn_exphuff_decode(b, src + 2, len - 2, dst) : KVN_ERR_CORRUPT;
+    if (len < HEAD_SIZE || src[0] != VERSION || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
+        return KVN_ERR_CORRUPT;
+    if (memcmp(src + 4, m->tag, 4)) return KVN_ERR_ARG;
+    uint32_t base = src[8] | (uint32_t)src[9] << 8;
+    size_t n_esc = kvn_rd32(src + 10), stream_len = kvn_rd32(src + 14);
+    if (!n) return len == HEAD_SIZE && !src[2] && !base && !n_esc && !stream_len ? KVN_OK : KVN_ERR_CORRUPT;
+    split sp = split_of(b->dtype);
+    uint32_t *back = malloc(rows * sizeof(uint32_t)), *refs = malloc(C * sizeof(uint32_t));
+    uint32_t *cls_row = malloc(C * sizeof(uint32_t)), *row_of = malloc(C * sizeof(uint32_t));
+    uint8_t *sym = malloc(n);
+    if (!back || !refs || !cls_row || !row_of || !sym) { rc = KVN_ERR_NOMEM; goto done; }
+    const uint8_t *p = src + HEAD_SIZE, *end = src + len;
+    size_t repeated = 0;
+    if (src[2] & FLAG_REPEATS) {
+        if ((size_t)(end - p) < 4) { rc = KVN_ERR_CORRUPT; goto done; }
+        size_t body = kvn_rd32(p);
+        p += 4;
+        if ((size_t)(end - p) < body) { rc = KVN_ERR_CORRUPT; goto done; }
+        rc = read_repeats(p, body, rows, back, &repeated);
+        if (rc) goto done;
+        p += body;
+    } else {
+        memset(back, 0, rows * sizeof(uint32_t));
+    }
+    size_t n_coded = (rows - repeated) * D, raw_len = raw_bytes(n_coded, sp.raw_bits);
+    size_t rest = (size_t)(end - p);
+    if (n_esc > rest / 2 || raw_len > rest - 2 * n_esc || stream_len != rest - 2 * n_esc - raw_len ||
+        stream_len < MIN_STREAM || !end[-1]) {
+        rc = KVN_ERR_CORRUPT;
+        goto done;
+    }
+    side_data sd = {p, n_esc, 0, p + 2 * n_esc, 0};
+    bit_reader r = {end - stream_len, 8 * (int64_t)(stream_len - 1) + (31 - __builtin_clz(end[-1])), 0, 0};
+    uint32_t x[STATES];
+    for (int k = STATES; k-- > 0;) {
+        if (!reload(&r)) { rc = KVN_ERR_CORRUPT; goto done; }
+        x[k] = read_bits(&r, L);
+    }
+    const uint32_t *class_table = m->dec + m->class_model * T, *ref_table = m->dec + m->ref_model * T;
+    uint32_t start_row = (uint32_t)m->start_context << L;
+    for (size_t c = 0; c < C; c++) {
+        if (!reload(&r)) { rc = KVN_ERR_CORRUPT; goto done; }
+        unsigned k = tans_get(class_table, &x[(2 * c) % STATES], &r);
+        unsigned offset = tans_get(ref_table, &x[(2 * c + 1) % STATES], &r);
+        uint32_t ref = base + offset;
+        if ((offset == REF_SYMBOLS - 1 && !next_escape(&sd, &ref)) || ref >= sp.level_count) {
+            rc = KVN_ERR_CORRUPT;
+            goto done;
+        }
+        refs[c] = ref;
+        cls_row[c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
+        row_of[c] = cls_row[c] + start_row;
+    }
+    rc = decode_rows(m, b, &sp, back, refs, cls_row, row_of, sym, x, &r, &sd, dst);
+    if (!rc && (r.pos || sd.esc_at != n_esc)) rc = KVN_ERR_CORRUPT;
+    for (int k = 0; !rc && k < STATES; k++)
+        if (x[k]) rc = KVN_ERR_CORRUPT;
+done:
+    free(back);
+    free(refs);
+    free(cls_row);
+    free(row_of);
+    free(sym);
+    return rc;
+}
