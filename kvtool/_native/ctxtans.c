@@ -16,6 +16,9 @@
  * describes the bytes.
  */
 #include <stdlib.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ctxtans.h"
 #include "huffman.h"
@@ -26,6 +29,7 @@
 #define FLAG_REPEATS 1u
 #define HEAD_SIZE 18 /* version, mode, flags, reserved, tag[4], u16 base, u32 escapes, u32 stream bytes */
 #define STATES 8
+#define GROUP 8 /* values are coded a group of channels at a time, each group token by token */
 #define L KVN_TANS_LOG
 #define T KVN_TANS_SIZE
 #define LEVELS 32
@@ -48,6 +52,18 @@ struct kvn_tans_model {
     uint8_t context_of[KVN_TANS_SYMBOLS];
     uint8_t tag[4];
 };
+
+/* The decode tables (4 MiB for 32 classes x 16 contexts) are read at random: on 2 MiB pages where
+ * the system has them, so the lookups do not also miss the TLB. */
+static void *table_alloc(size_t size) {
+    void *p = NULL;
+    size_t huge = (size_t)1 << 21;
+    if (posix_memalign(&p, huge, (size + huge - 1) / huge * huge)) return NULL;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(p, (size + huge - 1) / huge * huge, MADV_HUGEPAGE);
+#endif
+    return p;
+}
 
 kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
                                    const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
@@ -77,7 +93,7 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
         if (cost[i] < 0 || cost[i] > 8 * L) return NULL;
     kvn_tans_model *m = calloc(1, sizeof(*m));
     if (!m) return NULL;
-    m->dec = malloc(models * T * sizeof(uint32_t));
+    m->dec = table_alloc(models * T * sizeof(uint32_t));
     m->enc = malloc(models * T * sizeof(uint16_t));
     m->info = malloc(models * KVN_TANS_SYMBOLS * sizeof(uint32_t));
     m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * COST_LANES, sizeof(int16_t));
@@ -320,11 +336,13 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
     uint32_t x[STATES];
     for (int k = 0; k < STATES; k++) x[k] = T;
     size_t i = 2 * C + n_coded;
-    for (size_t t = b->tokens; t-- > 0;) {
-        const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
-        for (size_t h = H; h-- > 0;) {
-            if (back[t * H + h]) continue;
-            for (size_t c = (h + 1) * D; c-- > h * D;) {
+    for (size_t g = (C + GROUP - 1) / GROUP * GROUP; g > 0;) {
+        g -= GROUP;
+        size_t end = g + GROUP < C ? g + GROUP : C;
+        for (size_t t = b->tokens; t-- > 0;) {
+            const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
+            for (size_t c = end; c-- > g;) {
+                if (back[t * H + c / D]) continue;
                 size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
                 i--;
                 tans_put(m, (size_t)cls[c] * X + ctx, s[c], &x[i % STATES], w);
@@ -344,21 +362,20 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
 KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
                                   const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw, unsigned width) {
     size_t H = b->heads, D = b->dim, C = H * D;
-    for (size_t t = 0; t < b->tokens; t++)
-        for (size_t h = 0; h < H; h++) {
-            if (back[t * H + h]) continue;
-            const uint8_t *row = src + (h * b->head_stride + t * D) * width, *s = sym + t * C + h * D;
-            for (size_t d = 0; d < D; d++) {
-                uint32_t v = load(row + d * width, width);
-                if (!(s[d] % LEVELS)) {
+    for (size_t g = 0; g < C; g += GROUP)
+        for (size_t t = 0; t < b->tokens; t++)
+            for (size_t c = g; c < g + GROUP && c < C; c++) {
+                size_t h = c / D;
+                if (back[t * H + h]) continue;
+                uint32_t v = load(src + (h * b->head_stride + t * D + c % D) * width, width);
+                if (!(sym[t * C + c] % LEVELS)) {
                     uint32_t level = (v >> sp->raw_bits) & (sp->level_count - 1);
                     esc[2 * *n_esc] = (uint8_t)level;
                     esc[2 * *n_esc + 1] = (uint8_t)(level >> 8);
                     ++*n_esc;
                 }
-                if (sp->raw_bits) put_bits(raw, v & sp->raw_mask, sp->raw_bits);
+                put_bits(raw, v & sp->raw_mask, sp->raw_bits);
             }
-        }
 }
 
 KVN_MULTIVERSION
@@ -529,84 +546,116 @@ KVN_INLINE int next_escape(side_data *sd, uint32_t *level) {
     return 1;
 }
 
-/* A row's values from its symbols, the channel references, the escapes and the raw bits. */
-KVN_INLINE int put_row(const split *sp, const uint8_t *s, const uint32_t *refs, size_t D, side_data *sd,
-                       uint8_t *out, unsigned width) {
-    uint32_t bad = 0;
-    for (size_t d = 0; d < D; d++) {
-        uint32_t q = s[d] % LEVELS, level = refs[d] + (uint32_t)(LOW - 1) + q;
-        if (__builtin_expect(!q, 0) && !next_escape(sd, &level)) return KVN_ERR_CORRUPT;
-        bad |= level >= sp->level_count;
-        uint32_t raw = 0;
-        if (sp->raw_bits) {
-            raw = (uint32_t)(kvn_rd64(sd->raw + (sd->raw_pos >> 3)) >> (sd->raw_pos & 7)) & sp->raw_mask;
-            sd->raw_pos += sp->raw_bits;
-        }
-        store(out + d * width, (uint32_t)(s[d] / LEVELS) << sp->sign_shift | level << sp->raw_bits | raw, width);
-    }
-    return bad ? KVN_ERR_CORRUPT : KVN_OK;
+/* One value from its symbol, its channel's reference, the escapes and the raw bits. */
+KVN_INLINE uint32_t value_of(const split *sp, unsigned sym, uint32_t ref, side_data *sd, uint32_t *bad) {
+    uint32_t q = sym % LEVELS, level = ref + (uint32_t)(LOW - 1) + q;
+    if (__builtin_expect(!q, 0) && !next_escape(sd, &level)) *bad = 1;
+    *bad |= level >= sp->level_count;
+    uint32_t raw = (uint32_t)(kvn_rd64(sd->raw + (sd->raw_pos >> 3)) >> (sd->raw_pos & 7)) & sp->raw_mask;
+    sd->raw_pos += sp->raw_bits;
+    return (uint32_t)(sym / LEVELS) << sp->sign_shift | level << sp->raw_bits | raw;
 }
 
-KVN_INLINE int decode_rows_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
-                             const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint8_t *sym,
-                             uint32_t *x, bit_reader *r, side_data *sd, uint8_t *dst, unsigned width) {
-    size_t H = b->heads, D = b->dim, C = H * D;
-    const uint32_t *dec = m->dec;
+/* A repeated value: copied from `back` tokens before; the context its symbol leaves. */
+KVN_INLINE uint32_t repeat_value(const kvn_tans_model *m, const split *sp, uint8_t *out, size_t back_bytes,
+                                 uint32_t ref, unsigned width) {
+    uint32_t v = load(out - back_bytes, width);
+    store(out, v, width);
+    return (uint32_t)m->context_of[symbol_of(v, ref, sp)] << L;
+}
+
+/* The values, group by group, each group token by token. The reader and, on the fast path (whole
+ * groups of one head: dim a multiple of 8), the eight states live in locals. */
+KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
+                               const uint32_t *refs, const uint32_t *restrict cls_row, uint32_t *restrict row_of,
+                               uint32_t *x, bit_reader *reader, side_data *sd, uint8_t *dst, unsigned width) {
+    size_t H = b->heads, D = b->dim, C = H * D, T_ = b->tokens;
+    const uint32_t *restrict dec = m->dec;
+    bit_reader rd = *reader;
+    uint32_t bad = 0;
     size_t i = 2 * C;
-    for (size_t t = 0; t < b->tokens; t++) {
-        uint8_t *s = sym + t * C;
-        for (size_t h = 0; h < H; h++) {
-            uint8_t *out = dst + (h * b->head_stride + t * D) * width;
-            size_t c0 = h * D;
-            if (back[t * H + h]) {
-                if (back[t * H + h] > t) return KVN_ERR_CORRUPT;
-                size_t u = t - back[t * H + h];
-                memcpy(out, dst + (h * b->head_stride + u * D) * width, D * width);
-                memcpy(s + c0, sym + u * C + c0, D);
-                for (size_t c = c0; c < c0 + D; c++) row_of[c] = cls_row[c] + ((uint32_t)m->context_of[s[c]] << L);
-                continue;
-            }
-            if (D % STATES == 0) { /* i % 8 == 0 here: the states are constants */
-                uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
-                for (size_t c = c0; c < c0 + D; c += STATES) {
-#define GET(k)                                                                            \
-    do {                                                                                  \
-        uint32_t e = dec[row_of[c + k] + x##k];                                           \
-        x##k = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);                        \
-        row_of[c + k] = cls_row[c + k] + ((e >> 21) << L);                                \
-        s[c + k] = (uint8_t)(e & 63);                                                     \
+    for (size_t g = 0; g < C; g += GROUP) {
+        if (D % GROUP == 0) { /* i % 8 == 0 here: the states are constants */
+            size_t h = g / D, d0 = g % D;
+            uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
+            uint32_t r0 = row_of[g], r1 = row_of[g + 1], r2 = row_of[g + 2], r3 = row_of[g + 3];
+            uint32_t r4 = row_of[g + 4], r5 = row_of[g + 5], r6 = row_of[g + 6], r7 = row_of[g + 7];
+            const uint32_t *cr = cls_row + g, *rf = refs + g;
+            int64_t pos = rd.pos, at = rd.at;
+            uint64_t bits = rd.bits;
+            const uint8_t *stream = rd.stream;
+            for (size_t t = 0; t < T_; t++) {
+                uint8_t *out = dst + (h * b->head_stride + t * D + d0) * width;
+                uint32_t bk = back[t * H + h];
+                if (bk) {
+                    if (bk > t) return KVN_ERR_CORRUPT;
+                    size_t bb = (size_t)bk * D * width;
+#define REP(k) r##k = cr[k] + repeat_value(m, sp, out + (k) * width, bb, rf[k], width)
+                    REP(0); REP(1); REP(2); REP(3); REP(4); REP(5); REP(6); REP(7);
+#undef REP
+                    continue;
+                }
+#define RELOAD()                                        \
+    do {                                                \
+        if (pos < 0) return KVN_ERR_CORRUPT;            \
+        at = ((pos + 7) >> 3) - 8;                      \
+        bits = kvn_rd64(stream + at);                   \
+        at *= 8;                                        \
     } while (0)
-                    if (!reload(r)) return KVN_ERR_CORRUPT;
-                    GET(0); GET(1); GET(2); GET(3);
-                    if (!reload(r)) return KVN_ERR_CORRUPT;
-                    GET(4); GET(5); GET(6); GET(7);
+#define GET(k)                                                                                \
+    unsigned s##k;                                                                            \
+    do {                                                                                      \
+        uint32_t e = dec[r##k + x##k], nb = (e >> 6) & 0xF;                                   \
+        pos -= nb;                                                                            \
+        x##k = ((e >> 10) & 0x7FF) + ((uint32_t)(bits >> (pos - at)) & ((1u << nb) - 1));     \
+        r##k = cr[k] + ((e >> 21) << L);                                                      \
+        s##k = e & 63;                                                                        \
+    } while (0)
+#define PUT(k) store(out + (k) * width, value_of(sp, s##k, rf[k], sd, &bad), width)
+                RELOAD();
+                GET(0); GET(1); GET(2); GET(3);
+                RELOAD();
+                GET(4); GET(5); GET(6); GET(7);
+                PUT(0); PUT(1); PUT(2); PUT(3); PUT(4); PUT(5); PUT(6); PUT(7);
 #undef GET
-                }
-                x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
-            } else {
-                for (size_t c = c0; c < c0 + D; c++, i++) {
-                    if (!reload(r)) return KVN_ERR_CORRUPT;
-                    uint32_t e = dec[row_of[c] + x[i % STATES]];
-                    x[i % STATES] = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);
-                    row_of[c] = cls_row[c] + ((e >> 21) << L);
-                    s[c] = (uint8_t)(e & 63);
-                }
+#undef PUT
+#undef RELOAD
             }
-            int rc = put_row(sp, s + c0, refs + c0, D, sd, out, width);
-            if (rc) return rc;
+            rd.pos = pos;
+            rd.at = at;
+            rd.bits = bits;
+            x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
+        } else {
+            size_t end = g + GROUP < C ? g + GROUP : C;
+            for (size_t t = 0; t < T_; t++)
+                for (size_t c = g; c < end; c++) {
+                    size_t h = c / D;
+                    uint8_t *out = dst + (h * b->head_stride + t * D + c % D) * width;
+                    uint32_t bk = back[t * H + h];
+                    if (bk) {
+                        if (bk > t) return KVN_ERR_CORRUPT;
+                        row_of[c] = cls_row[c] + repeat_value(m, sp, out, (size_t)bk * D * width, refs[c], width);
+                        continue;
+                    }
+                    if (!reload(&rd)) return KVN_ERR_CORRUPT;
+                    unsigned sym = tans_get(dec + row_of[c], &x[i++ % STATES], &rd);
+                    row_of[c] = cls_row[c] + ((uint32_t)m->context_of[sym] << L);
+                    store(out, value_of(sp, sym, refs[c], sd, &bad), width);
+                }
         }
     }
-    return r->pos < 0 ? KVN_ERR_CORRUPT : KVN_OK;
+    *reader = rd;
+    return bad || rd.pos < 0 ? KVN_ERR_CORRUPT : KVN_OK;
 }
 
 KVN_MULTIVERSION
-static int decode_rows(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
-                       const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint8_t *sym, uint32_t *x,
-                       bit_reader *r, side_data *sd, uint8_t *dst) {
+static int decode_values(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
+                         const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint32_t *x, bit_reader *r,
+                         side_data *sd, uint8_t *dst) {
     switch (sp->width) {
-    case 2: return decode_rows_w(m, b, sp, back, refs, cls_row, row_of, sym, x, r, sd, dst, 2);
-    case 4: return decode_rows_w(m, b, sp, back, refs, cls_row, row_of, sym, x, r, sd, dst, 4);
-    default: return decode_rows_w(m, b, sp, back, refs, cls_row, row_of, sym, x, r, sd, dst, 1);
+    case 2: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 2);
+    case 4: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 4);
+    default: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 1);
     }
 }
 
@@ -625,8 +674,7 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
     split sp = split_of(b->dtype);
     uint32_t *back = malloc(rows * sizeof(uint32_t)), *refs = malloc(C * sizeof(uint32_t));
     uint32_t *cls_row = malloc(C * sizeof(uint32_t)), *row_of = malloc(C * sizeof(uint32_t));
-    uint8_t *sym = malloc(n);
-    if (!back || !refs || !cls_row || !row_of || !sym) { rc = KVN_ERR_NOMEM; goto done; }
+    if (!back || !refs || !cls_row || !row_of) { rc = KVN_ERR_NOMEM; goto done; }
     const uint8_t *p = src + HEAD_SIZE, *end = src + len;
     size_t repeated = 0;
     if (src[2] & FLAG_REPEATS) {
@@ -669,7 +717,7 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
         cls_row[c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
         row_of[c] = cls_row[c] + start_row;
     }
-    rc = decode_rows(m, b, &sp, back, refs, cls_row, row_of, sym, x, &r, &sd, dst);
+    rc = decode_values(m, b, &sp, back, refs, cls_row, row_of, x, &r, &sd, dst);
     if (!rc && (r.pos || sd.esc_at != n_esc)) rc = KVN_ERR_CORRUPT;
     for (int k = 0; !rc && k < STATES; k++)
         if (x[k]) rc = KVN_ERR_CORRUPT;
@@ -678,6 +726,5 @@ done:
     free(refs);
     free(cls_row);
     free(row_of);
-    free(sym);
     return rc;
 }

@@ -31,6 +31,9 @@ MODE_DICT, MODE_EXPHUFF = 0, 1
 HEAD = struct.Struct("<BBBB4sHII")
 FLAG_REPEATS = 1
 STATES = 8
+#: Values are coded a group of channels at a time, each group's tokens in order, so a decoder
+#: sweeps the tables of a few channels' classes at a time (they stay in cache), not all at once.
+GROUP = 8
 
 __all__ = ["FAMILIES", "decode", "encode"]
 
@@ -107,6 +110,12 @@ class _TansDecoder:
 # -- chunks -----------------------------------------------------------------------------------
 
 
+def coding_order(tokens: int, channels: int) -> np.ndarray:
+    """The positions in ``[tokens, channels]`` (flat) in coding order: channel groups of GROUP, each token by token."""
+    grid = np.arange(tokens * channels).reshape(tokens, channels)
+    return np.concatenate([grid[:, g : g + GROUP].reshape(-1) for g in range(0, channels, GROUP)])
+
+
 def _use_exphuff(best: np.ndarray, value_syms: np.ndarray) -> bool:
     """Whether a Huffman code of the chunk's own symbol counts beats the dictionary's cost (both in integers)."""
     hist = np.zeros(256, np.int64)
@@ -149,9 +158,15 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes) -> byt
         side_models += [ct.class_model, ct.ref_model]
         if offsets[c] >= REF_SYMBOLS - 1:
             escapes.append(int(refs[c]))
+    order = coding_order(tokens, channels)
+    order = order[coded.reshape(-1)[order]]  # the coded values in coding order
+
+    def ordered(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1)[order]
+
     models = classes[None, :] * ct.contexts + prev
-    escapes += level[coded][sym[coded] % LEVELS == 0].tolist()
-    stream = _tans_encode(side_syms + sym[coded].tolist(), side_models + models[coded].tolist(), t)
+    escapes += ordered(level)[ordered(sym) % LEVELS == 0].tolist()
+    stream = _tans_encode(side_syms + ordered(sym).tolist(), side_models + ordered(models).tolist(), t)
 
     flags, repeats = 0, b""
     if not coded_rows.all():
@@ -163,7 +178,7 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes) -> byt
         HEAD.pack(VERSION, MODE_DICT, flags, 0, tag, base, len(escapes), len(stream)),
         repeats,
         np.array(escapes, "<u2").tobytes(),
-        _pack_bits(raw[coded], family.raw_bits),
+        _pack_bits(ordered(raw), family.raw_bits),
         stream,
     ])
 
@@ -233,29 +248,27 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
         refs.append(ref)
     context_of = ct.context_of.tolist()
     prev = [ct.start_context] * channels
-    sign_shift, raw_bits = 8 * family.width - 1, family.raw_bits
+    sign_shift, raw_bits, levels = 8 * family.width - 1, family.raw_bits, family.level_count
     raw_at = 0
-    for tok in range(tokens):
-        for h in range(heads):
-            row = out[tok, h]
-            if back[tok, h]:
-                if back[tok, h] > tok:
-                    raise DecodeError("ctxtans: a repeated row points before the block")
-                row[:] = out[tok - back[tok, h], h]
-                sign, levels, _ = fields(row, family)
-                syms = symbols(sign, levels, np.array(refs[h * dim : (h + 1) * dim])).tolist()
-                for d in range(dim):
-                    prev[h * dim + d] = context_of[syms[d]]
-                continue
-            for d in range(dim):
-                c = h * dim + d
+    for g in range(0, channels, GROUP):
+        for tok in range(tokens):
+            for c in range(g, min(g + GROUP, channels)):
+                h, d = divmod(c, dim)
+                if back[tok, h]:
+                    if back[tok, h] > tok:
+                        raise DecodeError("ctxtans: a repeated row points before the block")
+                    v = int(out[tok - back[tok, h], h, d])
+                    out[tok, h, d] = v
+                    q = (v >> raw_bits & levels - 1) - refs[c] - LOW + 1
+                    prev[c] = context_of[(v >> sign_shift) * LEVELS + (q if 1 <= q < LEVELS else 0)]
+                    continue
                 s = tans.next(classes[c] * ct.contexts + prev[c])
                 prev[c] = context_of[s]
                 q = s % LEVELS
                 lvl = escape() if q == 0 else refs[c] + LOW + q - 1
-                if not 0 <= lvl < family.level_count:
+                if not 0 <= lvl < levels:
                     raise DecodeError("ctxtans: a level is out of range")
-                row[d] = (s // LEVELS) << sign_shift | lvl << raw_bits | raw[raw_at]
+                out[tok, h, d] = (s // LEVELS) << sign_shift | lvl << raw_bits | raw[raw_at]
                 raw_at += 1
     tans.finish()
     if escape_at != len(escapes):
