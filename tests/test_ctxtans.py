@@ -187,9 +187,10 @@ def test_files_are_the_same_without_the_core(samples):
         "c = KVCache.load(sys.argv[1], layers=[0, 3], tokens=slice(0, 90));"
         "print(hashlib.sha256(encode_cache(c, 'ctxtans', chunk_tokens=32)).hexdigest())"
     )
-    run = lambda env: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", script, str(samples[0])], env={**os.environ, **env}, capture_output=True, text=True, check=True
-    )
+    def run(env):
+        return subprocess.run([sys.executable, "-c", script, str(samples[0])], env={**os.environ, **env},
+                              capture_output=True, text=True, check=True)
+
     native, plain = run({}), run({"KVTOOL_NATIVE": "0"})
     assert native.stdout == plain.stdout
     cache = KVCache.load(samples[0], layers=[0, 3], tokens=slice(0, 90))

@@ -82,7 +82,10 @@ class _TansDecoder:
         self.pos = 8 * (len(data) - 1) + int(data[-1]).bit_length() - 1
         # window[p]: the TABLE_LOG bits from bit p, LSB first (zeros past the end)
         padded = np.concatenate([bits[: self.pos], np.zeros(TABLE_LOG, np.int64)])
-        self.window = sum(padded[j : j + self.pos + 1] << j for j in range(TABLE_LOG)).tolist()
+        window = np.zeros(self.pos + 1, np.int64)
+        for j in range(TABLE_LOG):
+            window |= padded[j : j + self.pos + 1] << j
+        self.window = window.tolist()
         self.symbol, self.nbits, self.base = t.symbol.tolist(), t.nbits.tolist(), t.base.tolist()
         self.states = [0] * STATES
         for k in range(STATES - 1, -1, -1):
