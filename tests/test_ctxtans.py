@@ -19,7 +19,7 @@ from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, quantize
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
 from kvtool.codecs.ctxtans import tables_of
-from kvtool.container import decode_cache, encode_cache
+from kvtool.container import KvzReader, decode_cache, encode_cache
 from kvtool.errors import DecodeError
 from kvtool.modeldict.format import Dictionary
 from kvtool.testing.arraycodecs import DTYPES
@@ -197,3 +197,25 @@ def test_files_are_the_same_without_the_core(samples):
     blob = encode_cache(cache, "ctxtans", chunk_tokens=32)
     assert hashlib.sha256(blob).hexdigest() == native.stdout.strip()
     assert decode_cache(blob).equal_bits(cache)
+
+
+@needs_core
+def test_the_batch_path_codes_it_with_the_same_bytes(samples):
+    """Several chunks per native call (threads, GIL released) write and read what the per-chunk path does."""
+    from kvtool._native.batch import BatchCodec
+    from kvtool.recipe import Recipe
+
+    cache = KVCache.load(samples[1], layers=[0, 11, 29], tokens=slice(0, 200))
+    batch = BatchCodec.for_recipe(Recipe.parse("ctxtans"), cache.dtype.numpy)
+    assert batch is not None and batch.model is not None
+    blob, meta = batch.encode_tensor(cache.values[0], 64)
+    chunks, at = [], 0
+    for record in meta:
+        chunks.append(blob[at : at + int(record["stored_len"])])
+        at += int(record["stored_len"])
+    expected = [reference_encode(cache.values[0][:, t : t + 64], "bf16") for t in range(0, 200, 64)]
+    assert [c for c, r in zip(chunks, meta) if not r["flags"]] == [e for e, r in zip(expected, meta) if not r["flags"]]
+    one, four = encode_cache(cache, "ctxtans", chunk_tokens=64, threads=1), encode_cache(cache, "ctxtans", chunk_tokens=64, threads=4)
+    assert one == four
+    with KvzReader.from_bytes(one) as reader:
+        assert reader.read(threads=4).equal_bits(cache)
