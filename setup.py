@@ -9,7 +9,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["_core.c", "xxh3.c", "huffman.c", "exphuff.c", "ctxans.c", "ctxans_py.c", "intquant.c", "ctxtans.c", "ctxtans_py.c"]
+SOURCES = ["_core.c", "xxh3.c", "huffman.c", "exphuff.c", "ctxans.c", "ctxans_py.c", "intquant.c", "ctxtans.c", "ctxtans_encode.c", "ctxtans_py.c"]
 
 
 class OptionalBuildExt(build_ext):
@@ -38,7 +38,7 @@ setup(
         Extension(
             "kvtool._native._core",
             sources=[f"kvtool/_native/{name}" for name in SOURCES],
-            depends=["kvtool/_native/kvn.h", "kvtool/_native/huffman.h", "kvtool/_native/ctxans.h", "kvtool/_native/ctxtans.h"],
+            depends=["kvtool/_native/kvn.h", "kvtool/_native/huffman.h", "kvtool/_native/ctxans.h", "kvtool/_native/ctxtans.h", "kvtool/_native/ctxtans_impl.h"],
             # -ffp-contract=off: no fused multiply-add, so float results match numpy's bit for bit
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,
