@@ -9,7 +9,8 @@
  * decodes in one table step: entry = table[class row + context row + state] gives the
  * symbol, how many bits to read and the next state's base, with the context the symbol
  * leaves packed in. Eight states are interleaved (symbol i uses state i % 8), so eight
- * independent lookups are in flight. A chunk the dictionary codes worse than a Huffman
+ * independent lookups are in flight, and values go a group of 8 channels at a time, token by
+ * token, so a group sweeps only its channels' tables. A chunk the dictionary codes worse than a Huffman
  * code of its own counts would is an exphuff chunk instead (mode 1).
  *
  * kvtool/_native/ctxtans_reference.py is the same format in numpy; docs/FORMAT.md
@@ -23,7 +24,8 @@
 #include "ctxtans_impl.h"
 
 /* The decode tables (4 MiB for 32 classes x 16 contexts) are read at random: on 2 MiB pages where
- * the system has them, so the lookups do not also miss the TLB. */
+ * the system has them (fewer TLB misses; no gain was measurable on the loaded machine of
+ * BENCHMARKS.md, where the lookups miss the caches). */
 static void *table_alloc(size_t size) {
     void *p = NULL;
     size_t huge = (size_t)1 << 21;
