@@ -199,10 +199,11 @@ KVN_INLINE uint32_t repeat_value(const kvn_tans_model *m, const split *sp, uint8
  * groups of one head: dim a multiple of 8), the eight states live in locals. */
 KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
                                const uint32_t *refs, const uint32_t *restrict cls_row, uint32_t *restrict row_of,
-                               uint32_t *x, bit_reader *reader, side_data *sd, uint8_t *dst, unsigned width) {
+                               uint32_t *x, bit_reader *reader, side_data *side, uint8_t *dst, unsigned width) {
     size_t H = b->heads, D = b->dim, C = H * D, T_ = b->tokens;
     const uint32_t *restrict dec = m->dec;
     bit_reader rd = *reader;
+    side_data sides = *side, *sd = &sides; /* in locals: the stores to dst could alias them otherwise */
     uint32_t bad = 0;
     size_t i = 2 * C;
     for (size_t g = 0; g < C; g += GROUP) {
@@ -276,6 +277,7 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
         }
     }
     *reader = rd;
+    *side = sides;
     return bad || rd.pos < 0 ? KVN_ERR_CORRUPT : KVN_OK;
 }
 
