@@ -22,7 +22,7 @@ def paged_rows(pages: np.ndarray, block_ids: np.ndarray, tokens: int, kind: int)
     return elems.astype(np.int64)
 
 
-@pytest.mark.parametrize("recipe", ["exphuff", "none", "zstd:3"])
+@pytest.mark.parametrize("recipe", ["exphuff", "ctxtans", "none", "zstd:3"])
 def test_rows_land_in_their_paged_blocks(samples, recipe):
     cache = KVCache.load(samples[0], layers=[0, 5, 9], tokens=slice(0, 96))
     heads, tokens, dim = cache.keys[0].shape

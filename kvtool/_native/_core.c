@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "kvn.h"
+#include "ctxtans.h"
 
 /* One chunk to decode: must match kvtool/_native/__init__.py's JOB_DTYPE. */
 typedef struct {
@@ -25,6 +26,27 @@ typedef struct {
 typedef struct {
     uint64_t stored_len, raw_len, stored_xxh3, raw_xxh3, flags;
 } block_meta;
+
+/* The array codec of a batch: exphuff, or ctxtans with a dictionary's tables (a capsule of ctxtans_py.c). */
+const kvn_tans_model *kvn_py_tans_model_of(PyObject *capsule);
+
+/* The ctxtans model `obj` names (NULL for None: exphuff); -1 with an exception for anything else. */
+static int batch_model(PyObject *obj, const kvn_tans_model **model) {
+    *model = obj && obj != Py_None ? kvn_py_tans_model_of(obj) : NULL;
+    return obj && obj != Py_None && !*model ? -1 : 0;
+}
+
+static size_t coder_bound(const kvn_tans_model *m, const kvn_block *b) {
+    return m ? kvn_tans_bound(b) : kvn_exphuff_bound(b);
+}
+
+static int coder_encode(const kvn_tans_model *m, const kvn_block *b, const void *src, uint8_t *dst, size_t *written) {
+    return m ? kvn_tans_encode(m, b, src, dst, written) : kvn_exphuff_encode(b, src, dst, written);
+}
+
+static int coder_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
+    return m ? kvn_tans_decode(m, b, src, len, dst) : kvn_exphuff_decode(b, src, len, dst);
+}
 
 static PyObject *error_status(int status) {
     PyErr_Format(PyExc_ValueError, "native core status %d", status);
@@ -173,16 +195,19 @@ static void copy_tokens(uint8_t *dst, size_t dst_head, const uint8_t *src, size_
     for (size_t h = 0; h < heads; h++) memcpy(dst + h * dst_head, src + h * src_head, count * row_bytes);
 }
 
-/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded) -> (blob, meta)
+/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded[, model]) -> (blob, meta)
  * Cuts a C-contiguous tensor [heads, tokens, dim] into blocks of chunk_tokens tokens; each is
- * exphuff-coded when `coded` and that is smaller, else stored as its C-order bytes. */
+ * coded when `coded` and that is smaller, else stored as its C-order bytes: exphuff, or ctxtans
+ * when `model` is a ctxtans model. */
 static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     Py_buffer buf;
     int dtype, coded;
     Py_ssize_t heads, tokens, dim, chunk;
-    if (!PyArg_ParseTuple(args, "y*innnnp", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded)) return NULL;
+    PyObject *model_obj = NULL;
+    const kvn_tans_model *model;
+    if (!PyArg_ParseTuple(args, "y*innnnp|O", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded, &model_obj)) return NULL;
     size_t n;
-    if (parse_geometry(dtype, heads, tokens, dim, buf.len, &n) || chunk < 1) {
+    if (batch_model(model_obj, &model) || parse_geometry(dtype, heads, tokens, dim, buf.len, &n) || chunk < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "chunk tokens must be >= 1");
         PyBuffer_Release(&buf);
         return NULL;
@@ -192,7 +217,7 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     for (size_t k = 0; k < nblocks; k++) {
         size_t tb = (size_t)tokens - k * (size_t)chunk < (size_t)chunk ? (size_t)tokens - k * (size_t)chunk : (size_t)chunk;
         kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-        size_t raw = (size_t)heads * tb * row, bound = coded ? kvn_exphuff_bound(&b) : 0;
+        size_t raw = (size_t)heads * tb * row, bound = coded ? coder_bound(model, &b) : 0;
         total += bound > raw ? bound : raw;
         if (raw > scratch_size) scratch_size = raw;
     }
@@ -223,7 +248,7 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
         size_t written = raw_len;
         if (coded) {
             kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-            rc = kvn_exphuff_encode(&b, block, out + pos, &written);
+            rc = coder_encode(model, &b, block, out + pos, &written);
         }
         if (rc) break;
         if (!coded || written >= raw_len) {
@@ -246,10 +271,11 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", blob, meta);
 }
 
-/* Decodes an exphuff block of `tb` tokens into *scratch (grown as needed: block-sized, so still
+/* Decodes a block of `tb` tokens (exphuff, or ctxtans with `model`) into *scratch (grown as needed: block-sized, so still
  * in cache for the raw checksum and the copy out) and checks its raw checksum when verifying. */
-static int decode_block_to_scratch(const job *j, const uint8_t *chunk, int dtype, size_t heads, size_t dim,
-                                   size_t raw_len, int verify, uint8_t **scratch, size_t *scratch_size) {
+static int decode_block_to_scratch(const kvn_tans_model *model, const job *j, const uint8_t *chunk, int dtype,
+                                   size_t heads, size_t dim, size_t raw_len, int verify, uint8_t **scratch,
+                                   size_t *scratch_size) {
     if (raw_len > *scratch_size) {
         free(*scratch);
         *scratch = malloc(raw_len);
@@ -257,26 +283,30 @@ static int decode_block_to_scratch(const job *j, const uint8_t *chunk, int dtype
     }
     if (!*scratch) return KVN_ERR_NOMEM;
     kvn_block b = {dtype, heads, j->block_tokens, dim, (size_t)j->block_tokens * dim};
-    int rc = kvn_exphuff_decode(&b, chunk, j->stored_len, *scratch);
+    int rc = coder_decode(model, &b, chunk, j->stored_len, *scratch);
     if (!rc && verify && kvn_xxh3_64(*scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
     return rc;
 }
 
-/* decode_blocks(src, jobs, out, dtype, heads, tokens, dim, verify) -> (status, failed job or -1)
+/* decode_blocks(src, jobs, out, dtype, heads, tokens, dim, verify[, model]) -> (status, failed job or -1)
  * `out` holds C-contiguous tensors [heads, tokens, dim] back to back; each job decodes one block
  * into tensor out_index at token block_start, clipped to the tensor's tokens. */
 static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
     Py_buffer src, jobs_buf, dst;
     int dtype, verify;
     Py_ssize_t heads, tokens, dim;
-    if (!PyArg_ParseTuple(args, "y*y*w*innnp", &src, &jobs_buf, &dst, &dtype, &heads, &tokens, &dim, &verify))
+    PyObject *model_obj = NULL;
+    const kvn_tans_model *model;
+    if (!PyArg_ParseTuple(args, "y*y*w*innnp|O", &src, &jobs_buf, &dst, &dtype, &heads, &tokens, &dim, &verify,
+                          &model_obj))
         return NULL;
     size_t w = kvn_itemsize(dtype), row = (size_t)dim * w, tensor = (size_t)heads * (size_t)tokens * row;
-    if (!w || heads < 0 || tokens < 0 || dim < 0 || jobs_buf.len % sizeof(job) || (tensor && dst.len % tensor)) {
+    if (batch_model(model_obj, &model) || !w || heads < 0 || tokens < 0 || dim < 0 || jobs_buf.len % sizeof(job) ||
+        (tensor && dst.len % tensor)) {
         PyBuffer_Release(&src);
         PyBuffer_Release(&jobs_buf);
         PyBuffer_Release(&dst);
-        PyErr_SetString(PyExc_ValueError, "bad geometry, job array or output size");
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad geometry, job array or output size");
         return NULL;
     }
     size_t njobs = (size_t)jobs_buf.len / sizeof(job), ntensors = tensor ? (size_t)dst.len / tensor : 0;
@@ -309,7 +339,8 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
                         (size_t)heads, row, (size_t)(hi - lo));
             continue;
         }
-        rc = decode_block_to_scratch(j, chunk, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch, &scratch_size);
+        rc = decode_block_to_scratch(model, j, chunk, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch,
+                                     &scratch_size);
         if (!rc)
             copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
                         (size_t)heads, row, (size_t)(hi - lo));
@@ -324,7 +355,7 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
     return Py_BuildValue("(in)", rc, failed);
 }
 
-/* decode_rows(src, jobs, row_starts, rows, targets, dtype, heads, dim, verify) -> (status, failed job or -1)
+/* decode_rows(src, jobs, row_starts, rows, targets, dtype, heads, dim, verify[, model]) -> (status, failed job or -1)
  * Decodes each job's block (block_tokens tokens) and writes its row (head h, token t) to byte
  * offset rows[row_starts[i] + h * block_tokens + t] of targets[out_index], or nowhere when that
  * offset is negative: any destination whose token rows are contiguous, such as an engine's
@@ -334,15 +365,17 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
     PyObject *targets;
     int dtype, verify;
     Py_ssize_t heads, dim;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*O!innp", &src, &jobs_buf, &starts_buf, &rows_buf, &PyList_Type, &targets,
-                          &dtype, &heads, &dim, &verify))
+    PyObject *model_obj = NULL;
+    const kvn_tans_model *model;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*O!innp|O", &src, &jobs_buf, &starts_buf, &rows_buf, &PyList_Type, &targets,
+                          &dtype, &heads, &dim, &verify, &model_obj))
         return NULL;
     Py_ssize_t ntargets = PyList_GET_SIZE(targets);
     Py_buffer *dst = calloc((size_t)(ntargets ? ntargets : 1), sizeof(Py_buffer));
     Py_ssize_t got = 0;
     size_t w = kvn_itemsize(dtype), row = (size_t)dim * w;
     size_t njobs = (size_t)jobs_buf.len / sizeof(job), nrows = (size_t)rows_buf.len / sizeof(int64_t);
-    int ok = dst && w && heads >= 0 && dim >= 0 && jobs_buf.len % sizeof(job) == 0 && rows_buf.len % sizeof(int64_t) == 0 &&
+    int ok = batch_model(model_obj, &model) == 0 && dst && w && heads >= 0 && dim >= 0 && jobs_buf.len % sizeof(job) == 0 && rows_buf.len % sizeof(int64_t) == 0 &&
              (size_t)starts_buf.len == njobs * sizeof(int64_t);
     for (; ok && got < ntargets; got++)
         if (PyObject_GetBuffer(PyList_GET_ITEM(targets, got), &dst[got], PyBUF_WRITABLE) < 0) ok = 0;
@@ -378,7 +411,8 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
         }
         const uint8_t *block = base + j->offset;
         if (!rc && !(j->flags & JOB_STORED_RAW)) {
-            rc = decode_block_to_scratch(j, block, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch, &scratch_size);
+            rc = decode_block_to_scratch(model, j, block, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch,
+                                         &scratch_size);
             block = scratch;
         }
         if (rc) { failed = (Py_ssize_t)i; break; }
@@ -405,6 +439,10 @@ PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_decode(PyObject *self, PyObject *args);
 int kvn_py_ctxans_add_constants(PyObject *module);
+/* The ctxtans coder's bindings live in ctxtans_py.c. */
+PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -415,6 +453,9 @@ static PyMethodDef methods[] = {
     {"ctxans_model", kvn_py_ctxans_model, METH_VARARGS, "A dictionary's ctxans coder tables, as a capsule."},
     {"ctxans_encode", kvn_py_ctxans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxans chunk."},
     {"ctxans_decode", kvn_py_ctxans_decode, METH_VARARGS, "Decode one ctxans chunk into a C-contiguous block; returns a status."},
+    {"ctxtans_model", kvn_py_ctxtans_model, METH_VARARGS, "A dictionary's ctxtans tANS tables, as a capsule."},
+    {"ctxtans_encode", kvn_py_ctxtans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxtans chunk."},
+    {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},

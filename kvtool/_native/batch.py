@@ -4,7 +4,8 @@ Calling the core once per chunk from Python would cost more than the chunk's
 coding. ``BatchCodec`` hands the core a whole tensor to cut and encode, or a
 batch of chunks to verify and decode into one output array, with the GIL
 released throughout, so a thread pool scales with the cores. It serves the
-recipes the core implements end to end: ``exphuff`` and ``none`` (no layouts).
+recipes the core implements end to end: ``exphuff``, ``ctxtans`` (with its
+dictionary's tables, built once) and ``none`` (no layouts).
 Every other recipe, and every recipe without the core, takes the container's
 per-chunk path, which writes the same bytes.
 """
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 class BatchCodec:
     core: ModuleType  # the compiled extension
     dtype_code: int
-    coded: bool  # exphuff; otherwise every chunk is the block's bytes as they are
+    coded: bool  # exphuff or ctxtans; otherwise every chunk is the block's bytes as they are
+    model: object = None  # ctxtans: the core's copy of its dictionary's tables; None: exphuff
 
     @classmethod
     def for_recipe(cls, recipe: Any, dtype: np.dtype) -> "BatchCodec | None":
@@ -43,15 +45,16 @@ class BatchCodec:
         except UsageError:
             return None
         codec_id = recipe.codec.codec_id
-        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "none"):
+        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "ctxtans", "none"):
             return None
-        return cls(core, _native.DTYPE_CODES[name], codec_id == "exphuff")
+        model = recipe.codec.model() if codec_id == "ctxtans" else None
+        return cls(core, _native.DTYPE_CODES[name], codec_id != "none", model)
 
     def encode_tensor(self, tensor: np.ndarray, chunk_tokens: int) -> tuple[bytes, np.ndarray]:
         """The chunks of a ``[heads, tokens, dim]`` tensor back to back, and per chunk its BLOCK_META_DTYPE record."""
         contiguous = np.ascontiguousarray(tensor)
         blob, meta = self.core.encode_blocks(
-            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded
+            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded, self.model
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
 
@@ -62,7 +65,7 @@ class BatchCodec:
         """
         _, heads, tokens, dim = out.shape
         status, failed = self.core.decode_blocks(
-            src, jobs.tobytes(), out.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, True
+            src, jobs.tobytes(), out.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, True, self.model
         )
         self._raise(status, failed, describe)
 
@@ -72,7 +75,7 @@ class BatchCodec:
         ``targets[out_index]`` (flat writable byte arrays)."""
         status, failed = self.core.decode_rows(
             src, jobs.tobytes(), row_starts.astype("<i8").tobytes(), rows.astype("<i8").tobytes(), targets,
-            self.dtype_code, heads, dim, True,
+            self.dtype_code, heads, dim, True, self.model,
         )
         self._raise(status, failed, describe)
 

@@ -4,7 +4,8 @@ Baselines come first and code the raw bytes with no layout: zstd:3 and lz4
 (the usual general-purpose points) and qat (gzip through QATzip). The best
 order-0 recipe names its row count, so it is built for each cache: one rANS
 model per channel is ``kv_heads * head_dim`` rows. The best recipe, ``ctxans``,
-codes with the model dictionary kvtool ships unless a run names another.
+and ``ctxtans`` (its models, tANS-coded) code with the model dictionary kvtool
+ships unless a run names another.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ LEVELS = {
     "qat": ("1", "9"),
     "isal": ("0", "1", "3"),
 }
+#: The best recipe's models with a coder of a table step a value.
+CONTEXT_TANS = "ctxtans"
 #: Planes close to random: stored raw is the fast choice for them.
 RAW_PLANES = ("lo", "mant")
 
@@ -52,9 +55,10 @@ def channels(cache: KVCache) -> int:
 
 
 def quick(cache: KVCache) -> list[str]:
-    """Baselines, the gzip family, the old and current defaults, the best order-0 recipe and the best one, for this cache."""
+    """Baselines, the gzip family, the old and current defaults, the best order-0 recipe, the best one and
+    ctxtans, for this cache."""
     split = [SPLITS[cache.dtype.name]] if cache.dtype.name in SPLITS else []
-    recipes = [*BASELINES, *QUICK, *split, DEFAULT_RECIPE, rans_recipe(cache), best_recipe(cache)]
+    recipes = [*BASELINES, *QUICK, *split, DEFAULT_RECIPE, rans_recipe(cache), best_recipe(cache), CONTEXT_TANS]
     return list(dict.fromkeys(recipes))
 
 

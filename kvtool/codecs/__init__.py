@@ -28,6 +28,7 @@ registry: ComponentRegistry[Codec] = ComponentRegistry(
         "rans": ("kvtool.codecs.rans:RansCodec", "rans"),
         "exphuff": "kvtool.codecs.exphuff:ExpHuffCodec",
         "ctxans": "kvtool.codecs.ctxans:CtxAnsCodec",
+        "ctxtans": "kvtool.codecs.ctxtans:CtxTansCodec",
     },
 )
 

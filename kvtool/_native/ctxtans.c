@@ -1,0 +1,363 @@
+/* ctxtans: a float KV block coded with a model dictionary's context models and tANS.
+ *
+ * The symbols are ctxans's (see ctxans.c): each value's sign and level (exponent and
+ * top mantissa bit) relative to its channel's reference, coded in the context its
+ * channel's previous token left with the models of the channel's dictionary class;
+ * repeated rows named; the low mantissa bits raw. The coder is what makes the
+ * difference: every model is a tANS table of 2^11 states built once per dictionary
+ * (kvtool/_native/ctxtans_tables.py), and all tables share one state space, so a value
+ * decodes in one table step: entry = table[class row + context row + state] gives the
+ * symbol, how many bits to read and the next state's base, with the context the symbol
+ * leaves packed in. Eight states are interleaved (symbol i uses state i % 8), so eight
+ * independent lookups are in flight, and values go a group of 8 channels at a time, token by
+ * token, so a group sweeps only its channels' tables. A chunk the dictionary codes worse than a Huffman
+ * code of its own counts would is an exphuff chunk instead (mode 1).
+ *
+ * kvtool/_native/ctxtans_reference.py is the same format in numpy; docs/FORMAT.md
+ * describes the bytes.
+ */
+#include <stdlib.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "ctxtans_impl.h"
+
+/* The decode tables (4 MiB for 32 classes x 16 contexts) are read at random: on 2 MiB pages where
+ * the system has them (fewer TLB misses; no gain was measurable on the loaded machine of
+ * BENCHMARKS.md, where the lookups miss the caches). */
+static void *table_alloc(size_t size) {
+    void *p = NULL;
+    size_t huge = (size_t)1 << 21;
+    if (posix_memalign(&p, huge, (size + huge - 1) / huge * huge)) return NULL;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(p, (size + huge - 1) / huge * huge, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
+                                   const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
+                                   const uint16_t *base, const uint16_t *encode, const int32_t *cost,
+                                   const int32_t *class_cost, const uint8_t *context_of, const uint8_t tag[4]) {
+    if (classes < 1 || classes > KVN_TANS_MAX_CLASSES || contexts < 1 || contexts > KVN_TANS_MAX_CONTEXTS ||
+        start_context < 0 || start_context >= contexts)
+        return NULL;
+    for (int s = 0; s < KVN_TANS_SYMBOLS; s++)
+        if (context_of[s] >= contexts) return NULL;
+    size_t models = (size_t)classes * (size_t)contexts + 2;
+    for (size_t k = 0; k < models; k++) { /* every state decodes to a used symbol and a state of the table */
+        uint32_t total = 0;
+        for (int s = 0; s < KVN_TANS_SYMBOLS; s++) {
+            if (start[k * KVN_TANS_SYMBOLS + s] != total || (g[k * KVN_TANS_SYMBOLS + s] == 0 && k + 2 < models)) return NULL;
+            total += g[k * KVN_TANS_SYMBOLS + s];
+        }
+        if (total != T) return NULL;
+        for (size_t u = 0; u < T; u++) {
+            size_t i = k * T + u;
+            if (symbol[i] >= KVN_TANS_SYMBOLS || !g[k * KVN_TANS_SYMBOLS + symbol[i]] || nbits[i] > L ||
+                (uint32_t)base[i] + (1u << nbits[i]) > T || encode[i] >= T)
+                return NULL;
+        }
+    }
+    for (size_t i = 0; i < (size_t)contexts * KVN_TANS_SYMBOLS * (size_t)classes; i++)
+        if (cost[i] < 0 || cost[i] > 8 * L) return NULL;
+    kvn_tans_model *m = calloc(1, sizeof(*m));
+    if (!m) return NULL;
+    m->dec = table_alloc(models * T * sizeof(uint32_t));
+    m->enc = malloc(models * T * sizeof(uint16_t));
+    m->info = malloc(models * KVN_TANS_SYMBOLS * sizeof(uint32_t));
+    m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * COST_LANES, sizeof(int16_t));
+    if (!m->dec || !m->enc || !m->info || !m->cost) {
+        kvn_tans_model_free(m);
+        return NULL;
+    }
+    m->classes = classes;
+    m->contexts = contexts;
+    m->start_context = start_context;
+    m->class_model = (size_t)classes * (size_t)contexts;
+    m->ref_model = m->class_model + 1;
+    for (size_t i = 0; i < models * T; i++)
+        m->dec[i] = symbol[i] | (uint32_t)nbits[i] << 6 | (uint32_t)base[i] << 10 | (uint32_t)context_of[symbol[i]] << 21;
+    memcpy(m->enc, encode, models * T * sizeof(uint16_t));
+    for (size_t i = 0; i < models * KVN_TANS_SYMBOLS; i++) {
+        uint32_t f = g[i];
+        m->info[i] = f | (uint32_t)start[i] << 12 | (f ? (uint32_t)(L - (31 - __builtin_clz(f))) : 0u) << 24;
+    }
+    for (size_t r = 0; r < (size_t)contexts * KVN_TANS_SYMBOLS; r++)
+        for (int k = 0; k < classes; k++) m->cost[r * COST_LANES + k] = (int16_t)cost[r * (size_t)classes + (size_t)k];
+    memcpy(m->class_cost, class_cost, (size_t)classes * sizeof(int32_t));
+    memcpy(m->context_of, context_of, KVN_TANS_SYMBOLS);
+    memcpy(m->tag, tag, 4);
+    return m;
+}
+
+void kvn_tans_model_free(kvn_tans_model *m) {
+    if (!m) return;
+    free(m->dec);
+    free(m->enc);
+    free(m->info);
+    free(m->cost);
+    free(m);
+}
+
+size_t kvn_tans_bound(const kvn_block *b) {
+    size_t n = b->heads * b->tokens * b->dim, channels = b->heads * b->dim, rows = b->heads * b->tokens;
+    size_t coded = HEAD_SIZE + 4 + (rows + 7) / 8 + 5 * rows + 2 * (n + channels) +
+                   raw_bytes(n, split_of(b->dtype).raw_bits) + ((n + 2 * channels) * L + STATES * L + 8) / 8 + 16;
+    size_t fallback = 2 + kvn_exphuff_bound(b);
+    return coded > fallback ? coded : fallback;
+}
+
+
+/* ---- decode ---------------------------------------------------------------------------- */
+
+/* Reads the stream backwards from bit `pos`: `bits` holds the 64 stream bits from bit `at` (a
+ * multiple of 8), at least 57 of them below pos after each reload. Bytes up to 8 before the stream
+ * are read (never used): the chunk's head is there. */
+typedef struct {
+    const uint8_t *stream;
+    int64_t pos, at;
+    uint64_t bits;
+} bit_reader;
+
+KVN_INLINE int reload(bit_reader *r) {
+    if (r->pos < 0) return 0;
+    r->at = ((r->pos + 7) >> 3) - 8;
+    r->bits = kvn_rd64(r->stream + r->at);
+    r->at *= 8;
+    return 1;
+}
+
+KVN_INLINE uint32_t read_bits(bit_reader *r, unsigned nb) {
+    r->pos -= nb;
+    return (uint32_t)(r->bits >> (r->pos - r->at)) & ((1u << nb) - 1);
+}
+
+KVN_INLINE unsigned tans_get(const uint32_t *table, uint32_t *x, bit_reader *r) {
+    uint32_t e = table[*x];
+    *x = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);
+    return e & 63;
+}
+
+static int read_repeats(const uint8_t *p, size_t len, size_t rows, uint32_t *back, size_t *repeated) {
+    size_t bitmap = (rows + 7) / 8;
+    if (len < bitmap) return KVN_ERR_CORRUPT;
+    if ((rows & 7) && (p[bitmap - 1] >> (rows & 7))) return KVN_ERR_CORRUPT;
+    const uint8_t *q = p + bitmap, *end = p + len;
+    *repeated = 0;
+    for (size_t r = 0; r < rows; r++) {
+        back[r] = 0;
+        if (!(p[r >> 3] >> (r & 7) & 1)) continue;
+        uint32_t v = 0;
+        for (int shift = 0;; shift += 7) {
+            if (q == end || shift > 28) return KVN_ERR_CORRUPT;
+            uint8_t byte = *q++;
+            v |= (uint32_t)(byte & 0x7F) << shift;
+            if (!(byte & 0x80)) break;
+        }
+        if (v >= 0xFFFFFFFFu) return KVN_ERR_CORRUPT;
+        back[r] = v + 1;
+        ++*repeated;
+    }
+    return q == end ? KVN_OK : KVN_ERR_CORRUPT;
+}
+
+typedef struct {
+    const uint8_t *esc;
+    size_t n_esc, esc_at;
+    const uint8_t *raw;
+    uint64_t raw_pos;
+} side_data;
+
+KVN_INLINE int next_escape(side_data *sd, uint32_t *level) {
+    if (sd->esc_at == sd->n_esc) return 0;
+    *level = sd->esc[2 * sd->esc_at] | (uint32_t)sd->esc[2 * sd->esc_at + 1] << 8;
+    sd->esc_at++;
+    return 1;
+}
+
+/* One value from its symbol, its channel's reference, the escapes and the raw bits. */
+KVN_INLINE uint32_t value_of(const split *sp, unsigned sym, uint32_t ref, side_data *sd, uint32_t *bad) {
+    uint32_t q = sym % LEVELS, level = ref + (uint32_t)(LOW - 1) + q;
+    if (__builtin_expect(!q, 0) && !next_escape(sd, &level)) *bad = 1;
+    *bad |= level >= sp->level_count;
+    uint32_t raw = (uint32_t)(kvn_rd64(sd->raw + (sd->raw_pos >> 3)) >> (sd->raw_pos & 7)) & sp->raw_mask;
+    sd->raw_pos += sp->raw_bits;
+    return (uint32_t)(sym / LEVELS) << sp->sign_shift | level << sp->raw_bits | raw;
+}
+
+/* A repeated value: copied from `back` tokens before; the context its symbol leaves. */
+KVN_INLINE uint32_t repeat_value(const kvn_tans_model *m, const split *sp, uint8_t *out, size_t back_bytes,
+                                 uint32_t ref, unsigned width) {
+    uint32_t v = load(out - back_bytes, width);
+    store(out, v, width);
+    return (uint32_t)m->context_of[symbol_of(v, ref, sp)] << L;
+}
+
+/* The values, group by group, each group token by token. The reader and, on the fast path (whole
+ * groups of one head: dim a multiple of 8), the eight states live in locals. */
+KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
+                               const uint32_t *refs, const uint32_t *restrict cls_row, uint32_t *restrict row_of,
+                               uint32_t *x, bit_reader *reader, side_data *side, uint8_t *dst, unsigned width) {
+    size_t H = b->heads, D = b->dim, C = H * D, T_ = b->tokens;
+    const uint32_t *restrict dec = m->dec;
+    bit_reader rd = *reader;
+    side_data sides = *side, *sd = &sides; /* in locals: the stores to dst could alias them otherwise */
+    uint32_t bad = 0;
+    size_t i = 2 * C;
+    for (size_t g = 0; g < C; g += GROUP) {
+        if (D % GROUP == 0) { /* i % 8 == 0 here: the states are constants */
+            size_t h = g / D, d0 = g % D;
+            uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
+            uint32_t r0 = row_of[g], r1 = row_of[g + 1], r2 = row_of[g + 2], r3 = row_of[g + 3];
+            uint32_t r4 = row_of[g + 4], r5 = row_of[g + 5], r6 = row_of[g + 6], r7 = row_of[g + 7];
+            const uint32_t *cr = cls_row + g, *rf = refs + g;
+            int64_t pos = rd.pos, at = rd.at;
+            uint64_t bits = rd.bits;
+            const uint8_t *stream = rd.stream;
+            for (size_t t = 0; t < T_; t++) {
+                uint8_t *out = dst + (h * b->head_stride + t * D + d0) * width;
+                uint32_t bk = back[t * H + h];
+                if (bk) {
+                    if (bk > t) return KVN_ERR_CORRUPT;
+                    size_t bb = (size_t)bk * D * width;
+#define REP(k) r##k = cr[k] + repeat_value(m, sp, out + (k) * width, bb, rf[k], width)
+                    REP(0); REP(1); REP(2); REP(3); REP(4); REP(5); REP(6); REP(7);
+#undef REP
+                    continue;
+                }
+#define RELOAD()                                        \
+    do {                                                \
+        if (pos < 0) return KVN_ERR_CORRUPT;            \
+        at = ((pos + 7) >> 3) - 8;                      \
+        bits = kvn_rd64(stream + at);                   \
+        at *= 8;                                        \
+    } while (0)
+#define GET(k)                                                                                \
+    unsigned s##k;                                                                            \
+    do {                                                                                      \
+        uint32_t e = dec[r##k + x##k], nb = (e >> 6) & 0xF;                                   \
+        pos -= nb;                                                                            \
+        x##k = ((e >> 10) & 0x7FF) + ((uint32_t)(bits >> (pos - at)) & ((1u << nb) - 1));     \
+        r##k = cr[k] + ((e >> 21) << L);                                                      \
+        s##k = e & 63;                                                                        \
+    } while (0)
+#define PUT(k) store(out + (k) * width, value_of(sp, s##k, rf[k], sd, &bad), width)
+                RELOAD();
+                GET(0); GET(1); GET(2); GET(3);
+                RELOAD();
+                GET(4); GET(5); GET(6); GET(7);
+                PUT(0); PUT(1); PUT(2); PUT(3); PUT(4); PUT(5); PUT(6); PUT(7);
+#undef GET
+#undef PUT
+#undef RELOAD
+            }
+            rd.pos = pos;
+            rd.at = at;
+            rd.bits = bits;
+            x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
+        } else {
+            size_t end = g + GROUP < C ? g + GROUP : C;
+            for (size_t t = 0; t < T_; t++)
+                for (size_t c = g; c < end; c++) {
+                    size_t h = c / D;
+                    uint8_t *out = dst + (h * b->head_stride + t * D + c % D) * width;
+                    uint32_t bk = back[t * H + h];
+                    if (bk) {
+                        if (bk > t) return KVN_ERR_CORRUPT;
+                        row_of[c] = cls_row[c] + repeat_value(m, sp, out, (size_t)bk * D * width, refs[c], width);
+                        continue;
+                    }
+                    if (!reload(&rd)) return KVN_ERR_CORRUPT;
+                    unsigned sym = tans_get(dec + row_of[c], &x[i++ % STATES], &rd);
+                    row_of[c] = cls_row[c] + ((uint32_t)m->context_of[sym] << L);
+                    store(out, value_of(sp, sym, refs[c], sd, &bad), width);
+                }
+        }
+    }
+    *reader = rd;
+    *side = sides;
+    return bad || rd.pos < 0 ? KVN_ERR_CORRUPT : KVN_OK;
+}
+
+KVN_MULTIVERSION
+static int decode_values(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
+                         const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint32_t *x, bit_reader *r,
+                         side_data *sd, uint8_t *dst) {
+    switch (sp->width) {
+    case 2: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 2);
+    case 4: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 4);
+    default: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 1);
+    }
+}
+
+int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
+    int rc = check_block(b);
+    if (rc) return rc;
+    size_t H = b->heads, D = b->dim, C = H * D, rows = H * b->tokens, n = rows * D;
+    if (len >= 2 && src[0] == VERSION && src[1] == MODE_EXPHUFF)
+        return n ? kvn_exphuff_decode(b, src + 2, len - 2, dst) : KVN_ERR_CORRUPT;
+    if (len < HEAD_SIZE || src[0] != VERSION || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
+        return KVN_ERR_CORRUPT;
+    if (memcmp(src + 4, m->tag, 4)) return KVN_ERR_ARG;
+    uint32_t base = src[8] | (uint32_t)src[9] << 8;
+    size_t n_esc = kvn_rd32(src + 10), stream_len = kvn_rd32(src + 14);
+    if (!n) return len == HEAD_SIZE && !src[2] && !base && !n_esc && !stream_len ? KVN_OK : KVN_ERR_CORRUPT;
+    split sp = split_of(b->dtype);
+    uint32_t *back = malloc(rows * sizeof(uint32_t)), *refs = malloc(C * sizeof(uint32_t));
+    uint32_t *cls_row = malloc(C * sizeof(uint32_t)), *row_of = malloc(C * sizeof(uint32_t));
+    if (!back || !refs || !cls_row || !row_of) { rc = KVN_ERR_NOMEM; goto done; }
+    const uint8_t *p = src + HEAD_SIZE, *end = src + len;
+    size_t repeated = 0;
+    if (src[2] & FLAG_REPEATS) {
+        if ((size_t)(end - p) < 4) { rc = KVN_ERR_CORRUPT; goto done; }
+        size_t body = kvn_rd32(p);
+        p += 4;
+        if ((size_t)(end - p) < body) { rc = KVN_ERR_CORRUPT; goto done; }
+        rc = read_repeats(p, body, rows, back, &repeated);
+        if (rc) goto done;
+        p += body;
+    } else {
+        memset(back, 0, rows * sizeof(uint32_t));
+    }
+    size_t n_coded = (rows - repeated) * D, raw_len = raw_bytes(n_coded, sp.raw_bits);
+    size_t rest = (size_t)(end - p);
+    if (n_esc > rest / 2 || raw_len > rest - 2 * n_esc || stream_len != rest - 2 * n_esc - raw_len ||
+        stream_len < MIN_STREAM || !end[-1]) {
+        rc = KVN_ERR_CORRUPT;
+        goto done;
+    }
+    side_data sd = {p, n_esc, 0, p + 2 * n_esc, 0};
+    bit_reader r = {end - stream_len, 8 * (int64_t)(stream_len - 1) + (31 - __builtin_clz(end[-1])), 0, 0};
+    uint32_t x[STATES];
+    for (int k = STATES; k-- > 0;) {
+        if (!reload(&r)) { rc = KVN_ERR_CORRUPT; goto done; }
+        x[k] = read_bits(&r, L);
+    }
+    const uint32_t *class_table = m->dec + m->class_model * T, *ref_table = m->dec + m->ref_model * T;
+    uint32_t start_row = (uint32_t)m->start_context << L;
+    for (size_t c = 0; c < C; c++) {
+        if (!reload(&r)) { rc = KVN_ERR_CORRUPT; goto done; }
+        unsigned k = tans_get(class_table, &x[(2 * c) % STATES], &r);
+        unsigned offset = tans_get(ref_table, &x[(2 * c + 1) % STATES], &r);
+        uint32_t ref = base + offset;
+        if ((offset == REF_SYMBOLS - 1 && !next_escape(&sd, &ref)) || ref >= sp.level_count) {
+            rc = KVN_ERR_CORRUPT;
+            goto done;
+        }
+        refs[c] = ref;
+        cls_row[c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
+        row_of[c] = cls_row[c] + start_row;
+    }
+    rc = decode_values(m, b, &sp, back, refs, cls_row, row_of, x, &r, &sd, dst);
+    if (!rc && (r.pos || sd.esc_at != n_esc)) rc = KVN_ERR_CORRUPT;
+    for (int k = 0; !rc && k < STATES; k++)
+        if (x[k]) rc = KVN_ERR_CORRUPT;
+done:
+    free(back);
+    free(refs);
+    free(cls_row);
+    free(row_of);
+    return rc;
+}

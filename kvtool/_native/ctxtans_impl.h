@@ -1,0 +1,78 @@
+/* ctxtans's shared pieces: the chunk's constants, the model, how values split (ctxtans.c decodes,
+ * ctxtans_encode.c encodes). */
+#ifndef KVN_CTXTANS_IMPL_H
+#define KVN_CTXTANS_IMPL_H
+#include "ctxtans.h"
+
+#define VERSION 1
+#define MODE_DICT 0
+#define MODE_EXPHUFF 1
+#define FLAG_REPEATS 1u
+#define HEAD_SIZE 18 /* version, mode, flags, reserved, tag[4], u16 base, u32 escapes, u32 stream bytes */
+#define STATES 8
+#define GROUP 8 /* values are coded a group of channels at a time, each group token by token */
+#define L KVN_TANS_LOG
+#define T KVN_TANS_SIZE
+#define LEVELS 32
+#define LOW (-22)
+#define REF_SYMBOLS 32
+#define COST_LANES KVN_TANS_MAX_CLASSES
+#define COST_RUN 512 /* tokens summed in 16-bit lanes: a symbol costs at most 8 * 11 */
+#define MIN_STREAM 12 /* eight states of 11 bits and the end marker */
+
+#define KVN_INLINE static inline __attribute__((always_inline))
+
+struct kvn_tans_model {
+    int classes, contexts, start_context;
+    size_t class_model, ref_model;
+    uint32_t *dec;   /* per model and state: symbol | nbits << 6 | base << 10 | context_of[symbol] << 21 */
+    uint16_t *enc;   /* per model: the states of each symbol, by symbol then rank */
+    uint32_t *info;  /* per model and symbol: g | start << 12 | (11 - floor(log2 g)) << 24 */
+    int16_t *cost;   /* [contexts * 64][COST_LANES]: classes' costs, zero padded */
+    int32_t class_cost[KVN_TANS_MAX_CLASSES];
+    uint8_t context_of[KVN_TANS_SYMBOLS];
+    uint8_t tag[4];
+};
+
+/* ---- values ---------------------------------------------------------------------------- */
+
+typedef struct {
+    unsigned width, raw_bits, sign_shift;
+    uint32_t level_count, raw_mask;
+} split;
+
+static inline split split_of(int dtype) {
+    static const unsigned EBITS[KVN_NDTYPES] = {8, 5, 8, 4, 5}, MBITS[KVN_NDTYPES] = {7, 10, 23, 3, 2};
+    unsigned w = (unsigned)kvn_itemsize(dtype), e = EBITS[dtype], mb = MBITS[dtype];
+    split s = {w, mb - 1, 8 * w - 1, 1u << (e + 1), (1u << (mb - 1)) - 1};
+    return s;
+}
+
+KVN_INLINE uint32_t load(const uint8_t *p, unsigned width) {
+    if (width == 2) { uint16_t v; memcpy(&v, p, 2); return v; }
+    if (width == 4) { uint32_t v; memcpy(&v, p, 4); return v; }
+    return *p;
+}
+
+KVN_INLINE void store(uint8_t *p, uint32_t v, unsigned width) {
+    if (width == 2) { uint16_t w = (uint16_t)v; memcpy(p, &w, 2); }
+    else if (width == 4) memcpy(p, &v, 4);
+    else *p = (uint8_t)v;
+}
+
+KVN_INLINE unsigned symbol_of(uint32_t v, uint32_t ref, const split *sp) {
+    uint32_t level = (v >> sp->raw_bits) & (sp->level_count - 1);
+    uint32_t q = level - ref - (uint32_t)LOW + 1; /* wraps to a large number below the window */
+    return (v >> sp->sign_shift) * LEVELS + (q - 1 < LEVELS - 1 ? q : 0);
+}
+
+static inline int check_block(const kvn_block *b) {
+    if (b->dtype < 0 || b->dtype >= KVN_NDTYPES) return KVN_ERR_ARG;
+    if (b->heads > 1 && b->head_stride < b->tokens * b->dim) return KVN_ERR_ARG;
+    if (b->tokens > KVN_TANS_MAX_TOKENS || b->heads * b->tokens > 0xFFFFFFFFu) return KVN_ERR_ARG;
+    return KVN_OK;
+}
+
+static inline size_t raw_bytes(size_t values, unsigned raw_bits) { return (values * raw_bits + 7) / 8; }
+
+#endif

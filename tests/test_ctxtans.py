@@ -1,0 +1,221 @@
+"""The ctxtans codec: its C core against its numpy reference, both ways, on real and generated blocks;
+its tables; its fallback to per-chunk statistics; whole files with and without the core."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtool import _native
+from kvtool._native import ctxtans_reference as reference
+from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, quantize
+from kvtool.cache import KVCache
+from kvtool.codecs import get_codec
+from kvtool.codecs.ctxtans import tables_of
+from kvtool.container import KvzReader, decode_cache, encode_cache
+from kvtool.errors import DecodeError
+from kvtool.modeldict.format import Dictionary
+from kvtool.testing.arraycodecs import DTYPES
+
+core = _native.core()
+needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
+CODEC = get_codec("ctxtans")
+DICTIONARY = CODEC.dictionary()
+TABLES, MODEL = tables_of(DICTIONARY)
+
+
+def native_encode(block: np.ndarray, name: str, model=None) -> bytes:
+    contiguous = np.ascontiguousarray(block)
+    return core.ctxtans_encode(contiguous.reshape(-1).view(np.uint8), model or MODEL, _native.DTYPE_CODES[name], *block.shape)
+
+
+def native_decode(chunk: bytes, name: str, shape, model=None) -> tuple[int, np.ndarray]:
+    out = np.zeros(shape, f"u{reference.FAMILIES[name].width}")
+    status = core.ctxtans_decode(chunk, out.reshape(-1).view(np.uint8), model or MODEL, _native.DTYPE_CODES[name], *shape)
+    return status, out
+
+
+def reference_encode(block: np.ndarray, name: str) -> bytes:
+    return reference.encode(block, name, TABLES, DICTIONARY.tag)
+
+
+def reference_decode(chunk: bytes, name: str, shape) -> np.ndarray:
+    return reference.decode(chunk, name, shape, TABLES, DICTIONARY.tag)
+
+
+@st.composite
+def blocks(draw):
+    """Blocks of every dtype and many shapes: KV-like values, any bit patterns, few distinct values,
+    and rows repeated from earlier tokens, in geometries on and off the fast path (dim a multiple of 8)."""
+    name = draw(st.sampled_from(list(reference.FAMILIES)))
+    shape = (draw(st.integers(0, 4)), draw(st.integers(0, 40)), draw(st.sampled_from([0, 1, 3, 8, 16, 20])))
+    kind = draw(st.sampled_from(["kv", "bits", "few", "rows"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    width = reference.FAMILIES[name].width
+    if kind == "bits":
+        bits = rng.integers(0, 1 << (8 * width), size=shape, dtype=np.uint64).astype(f"u{width}")
+        return name, bits.view(DTYPES[name])
+    scale = np.exp(rng.normal(0, 2, size=(shape[0], 1, shape[2])))
+    values = rng.standard_normal(shape) * scale
+    if kind == "few":
+        values = np.round(values)
+    block = values.astype(DTYPES[name])
+    if kind == "rows" and shape[1] > 1:
+        for t in rng.integers(1, shape[1], size=shape[1] // 2):
+            block[:, t] = block[:, rng.integers(0, t)]
+    return name, block
+
+
+def test_tables_are_complete_tans_tables():
+    """Every model sums to the table size, every state decodes to a used symbol and a state of the table,
+    and the encode table inverts the decode table."""
+    t = TABLES
+    assert (t.g.sum(axis=1) == TABLE_SIZE).all()
+    assert ((t.g > 0) == (TABLES.coder.freq > 0)).all()
+    assert (np.take_along_axis(t.g, t.symbol, axis=1) > 0).all()
+    assert ((t.base >> t.nbits << t.nbits) == t.base).all() and (t.base + (1 << t.nbits) <= TABLE_SIZE).all()
+    for m in (0, 17, t.g.shape[0] - 1):
+        states = t.encode[m]
+        assert sorted(states.tolist()) == list(range(TABLE_SIZE))
+        assert (np.repeat(np.arange(64), t.g[m]) == t.symbol[m, states]).all()
+
+
+def test_quantize_keeps_every_symbol_and_the_sum():
+    freq = np.zeros((3, 64), np.int64)
+    freq[0] = 512  # uniform: every symbol 32
+    freq[1, 0], freq[1, 1:] = (1 << 15) - 63, 1  # one big, the rest at the floor
+    freq[2, :32] = 1024  # half the symbols unused
+    g = quantize(freq)
+    assert (g.sum(axis=1) == 1 << TABLE_LOG).all()
+    assert (g[0] == 32).all() and (g[1, 1:] == 1).all() and g[1, 0] == TABLE_SIZE - 63
+    assert (g[2, 32:] == 0).all() and (g[2, :32] == 64).all()
+
+
+@needs_core
+@settings(max_examples=300, deadline=None)
+@given(blocks())
+def test_native_and_reference_write_and_read_the_same_chunks(case):
+    name, block = case
+    chunk = native_encode(block, name)
+    assert chunk == reference_encode(block, name)
+    status, out = native_decode(chunk, name, block.shape)
+    assert status == 0
+    expected = np.ascontiguousarray(block).view(f"u{block.itemsize}")
+    assert np.array_equal(out, expected)
+    assert np.array_equal(reference_decode(chunk, name, block.shape), expected)
+
+
+@needs_core
+@settings(max_examples=200, deadline=None)
+@given(blocks(), st.data())
+def test_native_and_reference_reject_the_same_damage(case, data):
+    """A damaged chunk is refused by both decoders, or decoded by both to the same values."""
+    name, block = case
+    chunk = bytearray(native_encode(block, name))
+    pos = data.draw(st.integers(0, len(chunk) - 1))
+    chunk[pos] ^= 1 << data.draw(st.integers(0, 7))
+    cut = data.draw(st.sampled_from([len(chunk), max(0, len(chunk) - 1), len(chunk) // 2]))
+    damaged = bytes(chunk[:cut])
+    status, out = native_decode(damaged, name, block.shape)
+    try:
+        ref = reference_decode(damaged, name, block.shape)
+    except DecodeError:
+        assert status != 0
+        return
+    assert status == 0 and np.array_equal(out, ref)
+
+
+@needs_core
+def test_real_samples_match_in_every_dtype(samples):
+    cache = KVCache.load(samples[1], layers=[0, 13, 29])
+    for name, dtype in DTYPES.items():
+        for array in cache.keys + cache.values:
+            block = array.astype(np.float32).astype(dtype)[:, :100]
+            chunk = native_encode(block, name)
+            assert chunk == reference_encode(block, name)
+            if name == "bf16":  # the shipped dictionary was learnt from bf16 caches of this model
+                assert chunk[1] == reference.MODE_DICT
+            assert np.array_equal(native_decode(chunk, name, block.shape)[1], block.view(f"u{block.itemsize}"))
+
+
+def test_it_codes_what_ctxans_codes_within_a_fraction_of_a_percent(samples):
+    cache = KVCache.load(samples[0], layers=[2, 20])
+    ctxans = get_codec("ctxans")
+    for array in cache.keys + cache.values:
+        ours, theirs = len(CODEC.encode_array(array)), len(ctxans.encode_array(array))
+        assert theirs * 0.995 < ours < theirs * 1.005
+
+
+def test_a_dictionary_that_does_not_fit_falls_back_to_the_chunks_own_statistics(samples):
+    """A dictionary whose models say nothing (every symbol alike) codes worse than a Huffman code of the
+    chunk: the chunk is an exphuff chunk, and the C core and the reference agree."""
+    flat = np.full((1, 1, 64), 512, np.uint16)
+    classes = np.zeros(64, np.uint16)
+    classes[0] = 1 << 15
+    useless = Dictionary(flat, np.zeros(64, np.uint8), 0, classes, np.full(32, 1024, np.uint16))
+    tables, model = tables_of(useless)
+    block = KVCache.load(samples[0], layers=[7]).keys[0][:, :64]
+    chunk = reference.encode(block, "bf16", tables, useless.tag)
+    assert chunk[:2] == bytes([reference.VERSION, reference.MODE_EXPHUFF])
+    back = reference.decode(chunk, "bf16", block.shape, tables, useless.tag)
+    assert np.array_equal(back, block.view(np.uint16))
+    if core is not None:
+        assert native_encode(block, "bf16", model) == chunk
+        status, out = native_decode(chunk, "bf16", block.shape, model)
+        assert status == 0 and np.array_equal(out, block.view(np.uint16))
+
+
+def test_a_chunk_of_another_dictionary_is_refused(samples):
+    block = KVCache.load(samples[0], layers=[3]).keys[0][:, :16]
+    chunk = bytearray(reference_encode(block, "bf16"))
+    chunk[4] ^= 0xFF  # the dictionary tag
+    with pytest.raises(DecodeError, match="another dictionary|dictionary"):
+        CODEC.decode_array(bytes(chunk), block.shape, block.dtype)
+
+
+def test_files_are_the_same_without_the_core(samples):
+    """The whole .kvz, written and read with the core and with the reference path only."""
+    script = (
+        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.container import encode_cache;"
+        "c = KVCache.load(sys.argv[1], layers=[0, 3], tokens=slice(0, 90));"
+        "print(hashlib.sha256(encode_cache(c, 'ctxtans', chunk_tokens=32)).hexdigest())"
+    )
+    def run(env):
+        return subprocess.run([sys.executable, "-c", script, str(samples[0])], env={**os.environ, **env},
+                              capture_output=True, text=True, check=True)
+
+    native, plain = run({}), run({"KVTOOL_NATIVE": "0"})
+    assert native.stdout == plain.stdout
+    cache = KVCache.load(samples[0], layers=[0, 3], tokens=slice(0, 90))
+    blob = encode_cache(cache, "ctxtans", chunk_tokens=32)
+    assert hashlib.sha256(blob).hexdigest() == native.stdout.strip()
+    assert decode_cache(blob).equal_bits(cache)
+
+
+@needs_core
+def test_the_batch_path_codes_it_with_the_same_bytes(samples):
+    """Several chunks per native call (threads, GIL released) write and read what the per-chunk path does."""
+    from kvtool._native.batch import BatchCodec
+    from kvtool.recipe import Recipe
+
+    cache = KVCache.load(samples[1], layers=[0, 11, 29], tokens=slice(0, 200))
+    batch = BatchCodec.for_recipe(Recipe.parse("ctxtans"), cache.dtype.numpy)
+    assert batch is not None and batch.model is not None
+    blob, meta = batch.encode_tensor(cache.values[0], 64)
+    chunks, at = [], 0
+    for record in meta:
+        chunks.append(blob[at : at + int(record["stored_len"])])
+        at += int(record["stored_len"])
+    expected = [reference_encode(cache.values[0][:, t : t + 64], "bf16") for t in range(0, 200, 64)]
+    assert [c for c, r in zip(chunks, meta) if not r["flags"]] == [e for e, r in zip(expected, meta) if not r["flags"]]
+    one, four = encode_cache(cache, "ctxtans", chunk_tokens=64, threads=1), encode_cache(cache, "ctxtans", chunk_tokens=64, threads=4)
+    assert one == four
+    with KvzReader.from_bytes(one) as reader:
+        assert reader.read(threads=4).equal_bits(cache)
