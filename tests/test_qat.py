@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-from kvtool.codecs import _qatzip, get_codec
+from kvtool.codecs import _qatzip, _qatzip_fallback, _qatzip_session, get_codec
 from kvtool.errors import OutputTooLargeError
 from kvtool.testing import require_available
 from kvtool.testing.data import kv_like_bf16
@@ -90,7 +90,7 @@ def test_qat_and_isal_read_each_other(data: bytes):
 
 def test_large_input_becomes_several_members(monkeypatch, data: bytes):
     require_available("qat")
-    monkeypatch.setattr(_qatzip, "_MAX_CALL", 50_000)
+    monkeypatch.setattr(_qatzip_session, "_MAX_CALL", 50_000)
     encoded = get_codec("qat").encode(data)
     assert _count_members(encoded) == -(-len(data) // 50_000)
     assert gzip.decompress(encoded) == data
@@ -195,12 +195,12 @@ def test_spent_budget_writes_the_same_format(monkeypatch, caplog):
     if lib.hardware:
         return  # a QAT device leaks nothing and has no budget
     monkeypatch.setattr(lib, "_reclaimer", None)
-    monkeypatch.setattr(lib, "software_calls", _qatzip.SOFTWARE_CALL_BUDGET)
+    monkeypatch.setattr(lib, "software_calls", _qatzip_fallback.SOFTWARE_CALL_BUDGET)
     monkeypatch.setattr(qat, "_budget_logged", False)
     data = bytes(range(256)) * 300
     with caplog.at_level("WARNING", logger="kvtool.codecs"):
         encoded = get_codec("qat").encode(data)
-    assert lib.software_calls == _qatzip.SOFTWARE_CALL_BUDGET  # QATzip was not called
+    assert lib.software_calls == _qatzip_fallback.SOFTWARE_CALL_BUDGET  # QATzip was not called
     assert gzip.decompress(encoded) == data
     assert "leaks a thread key" in caplog.text
 
@@ -273,26 +273,26 @@ print("hardware" if __import__("kvtool.codecs._qatzip").codecs._qatzip.load().ha
 def test_stderr_is_redirected_only_when_safe_or_asked(setting: str, threads: str, filtered: bool):
     """Pointing fd 2 elsewhere hides other threads' stderr: done alone, or when asked for."""
     require_available("qat")
-    env = {**os.environ, _qatzip.FILTER_ENV_VAR: setting}
+    env = {**os.environ, _qatzip_fallback.FILTER_ENV_VAR: setting}
     proc = subprocess.run([sys.executable, "-c", ENCODE_THREE_TIMES, threads], env=env, capture_output=True, text=True, check=True)
     if proc.stdout.strip() == "hardware":
         pytest.skip("a QAT device: no software fallback, nothing printed")
-    noisy = proc.stderr.count(_qatzip._PROBE_NOISE.decode())
+    noisy = proc.stderr.count(_qatzip_fallback.PROBE_NOISE.decode())
     assert (noisy == 0) if filtered else (noisy >= 3), proc.stderr
 
 
 def test_thread_keys_are_reclaimed_only_for_the_known_library_version():
     require_available("qat")
     lib = _qatzip.load()
-    assert _qatzip._KeyReclaimer.attach(lib._cdll, "1.3.0") is None
-    assert _qatzip._KeyReclaimer.attach(lib._cdll, None) is None
+    assert _qatzip_fallback.KeyReclaimer.attach(lib._cdll, "1.3.0") is None
+    assert _qatzip_fallback.KeyReclaimer.attach(lib._cdll, None) is None
     if lib.hardware:
         return
     fixes = lib.workarounds()
-    if lib.version == _qatzip.RECLAIM_VERSION and lib._reclaimer is not None:
+    if lib.version == _qatzip_fallback.RECLAIM_VERSION and lib._reclaimer is not None:
         assert fixes["thread_keys"].startswith("deleted after each call")
     else:
-        assert lib._reclaimer is None and f"zlib after {_qatzip.SOFTWARE_CALL_BUDGET} calls" in fixes["thread_keys"]
+        assert lib._reclaimer is None and f"zlib after {_qatzip_fallback.SOFTWARE_CALL_BUDGET} calls" in fixes["thread_keys"]
     rows = {row["id"]: row for row in json.loads(CliRunner().invoke(app, ["codecs", "--json"]).stdout)}
     assert rows["qat"]["thread_keys"] == fixes["thread_keys"] and "stderr filter" in rows["qat"]["implementation"]
 
@@ -300,11 +300,11 @@ def test_thread_keys_are_reclaimed_only_for_the_known_library_version():
 def test_one_shot_commands_filter_the_probe_line_while_their_threads_run(tmp_path: Path):
     """`kvtool bench` runs qat on worker threads; a command's terminal still gets no probe lines."""
     require_available("qat")
-    env = {k: v for k, v in os.environ.items() if k != _qatzip.FILTER_ENV_VAR}
+    env = {k: v for k, v in os.environ.items() if k != _qatzip_fallback.FILTER_ENV_VAR}
     cache = Path(__file__).resolve().parents[1] / "samples" / "code.safetensors"
     proc = subprocess.run(
         [sys.executable, "-m", "kvtool", "bench", str(cache), "-r", "qat", "--repeat", "1", "--threads", "2", "--no-peers"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert _qatzip._PROBE_NOISE.decode() not in proc.stderr
+    assert _qatzip_fallback.PROBE_NOISE.decode() not in proc.stderr

@@ -55,7 +55,7 @@ def serve(
     or SIGTERM; entries in memory then move to the store's persistent tier. docs/API.md has the details.
     """
     try:
-        from kvtool.server.app import Limits
+        from kvtool.server.context import Limits
         from kvtool.server.lookup import PrefixQuery
         from kvtool.server.run import ApiServer
     except ImportError as exc:

@@ -10,7 +10,7 @@ available wins:
 3. zlib.
 
 QATzip's software fallback is not on that list: it is zlib's deflate behind a
-hardware probe that costs a thread key per call (see ``_qatzip``). The ``qat``
+hardware probe that costs a thread key per call (see ``_qatzip_fallback``). The ``qat``
 and ``isal`` ids name the first two implementations when one must be forced
 (benchmarks); they write ``gzip`` configs, and files written before ``gzip``
 existed, whose configs say ``qat`` or ``isal``, decode through them.
@@ -65,9 +65,9 @@ class GzipCodec(Codec):
         encoder = _auto()[0]
         view = as_memoryview(buf)
         if encoder == "qat":
-            from kvtool.codecs import _qatzip
+            from kvtool.codecs import _qatzip, _qatzip_abi
 
-            return _qatzip.load().compress(view, max(self.level, 1), _qatzip.DEFAULT_HW_BUFFER_SIZE)
+            return _qatzip.load().compress(view, max(self.level, 1), _qatzip_abi.DEFAULT_HW_BUFFER_SIZE)
         if encoder == "isal":
             return _isal_compress(view, ISAL_LEVELS[self.level])
         return _zlib_compress(view, self.level)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar
 
-from kvtool.codecs import _qatzip
+from kvtool.codecs import _qatzip, _qatzip_abi, _qatzip_fallback
 from kvtool.codecs.base import Availability, BufferLike, as_memoryview
 from kvtool.codecs.gzip import GzipCodec, _zlib_compress
 from kvtool.errors import UnavailableError, UsageError
@@ -29,13 +29,13 @@ class QatCodec(GzipCodec):
     params: ClassVar[tuple[str, ...]] = ("level", "hw_buffer_size")
     levels: ClassVar[tuple[int, int]] = (1, 9)
 
-    def __init__(self, level: int = 1, hw_buffer_size: int = _qatzip.DEFAULT_HW_BUFFER_SIZE):
+    def __init__(self, level: int = 1, hw_buffer_size: int = _qatzip_abi.DEFAULT_HW_BUFFER_SIZE):
         super().__init__(level)
         size = int(hw_buffer_size)
-        if not _qatzip.MIN_HW_BUFFER_SIZE <= size <= _qatzip.MAX_HW_BUFFER_SIZE or size & (size - 1):
+        if not _qatzip_abi.MIN_HW_BUFFER_SIZE <= size <= _qatzip_abi.MAX_HW_BUFFER_SIZE or size & (size - 1):
             raise UsageError(
-                f"qat hw_buffer_size must be a power of two from {_qatzip.MIN_HW_BUFFER_SIZE} "
-                f"to {_qatzip.MAX_HW_BUFFER_SIZE} bytes, not {hw_buffer_size}"
+                f"qat hw_buffer_size must be a power of two from {_qatzip_abi.MIN_HW_BUFFER_SIZE} "
+                f"to {_qatzip_abi.MAX_HW_BUFFER_SIZE} bytes, not {hw_buffer_size}"
             )
         self.hw_buffer_size = size
 
@@ -82,7 +82,7 @@ def _software_gzip(view: memoryview, level: int) -> bytes:
     """What QATzip's software fallback computes (zlib deflate in gzip), without calling QATzip.
 
     Used only when no QAT device is present and this process has spent
-    ``_qatzip.SOFTWARE_CALL_BUDGET`` calls: libqatzip 1.3 leaks a thread key per
+    ``_qatzip_fallback.SOFTWARE_CALL_BUDGET`` calls: libqatzip 1.3 leaks a thread key per
     software call. The stream is the same format, so any reader is unaffected.
     """
     global _budget_logged
@@ -91,7 +91,7 @@ def _software_gzip(view: memoryview, level: int) -> bytes:
         logging.getLogger("kvtool.codecs").warning(
             "qat: no QAT device and libqatzip leaks a thread key per software call; after %d calls "
             "this process writes the same gzip format with zlib, as QATzip's software fallback does",
-            _qatzip.SOFTWARE_CALL_BUDGET,
+            _qatzip_fallback.SOFTWARE_CALL_BUDGET,
         )
     return _zlib_compress(view, level)
 

@@ -22,7 +22,7 @@ _LAZY = {
     "ApiClient": "kvtool.server.client",
     "ApiError": "kvtool.server.client",
     "ApiServer": "kvtool.server.run",
-    "Limits": "kvtool.server.app",
+    "Limits": "kvtool.server.context",
     "create_app": "kvtool.server.app",
     "PrefixQuery": "kvtool.server.lookup",
     "lookup_prefix": "kvtool.server.lookup",

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from kvtool.errors import UsageError
-from kvtool.server.app import ApiApp, Limits, create_app
+from kvtool.server.app import ApiApp, create_app
+from kvtool.server.context import Limits
 from kvtool.server.auth import ListenAddress
 from kvtool.server.lookup import BlockHasher
 from kvtool.store import TieredStore

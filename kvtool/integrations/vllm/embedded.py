@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvtool.errors import UsageError
-from kvtool.server.app import Limits
+from kvtool.server.context import Limits
 from kvtool.server.auth import DEFAULT_LISTEN, load_token
 from kvtool.server.lookup import BlockHasher
 from kvtool.server.run import ApiServer
