@@ -33,7 +33,7 @@ from pathlib import Path
 from kvtool.bench.bounds import entropy_limits
 from kvtool.bench.recipes import rans_recipe
 from kvtool.cache import KVCache
-from kvtool.container import KvzReader, decode_cache, encode_cache
+from kvtool.kvz import KvzReader, decode_cache, encode_cache
 from kvtool.modeldict.train import train
 
 CHUNKS = (256, 4096)

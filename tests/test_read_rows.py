@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvtool.cache import KVCache
-from kvtool.container import KvzCorruptError, KvzReader, encode_cache
+from kvtool.kvz import KvzCorruptError, KvzReader, encode_cache
 from kvtool.errors import UsageError
 
 BLOCK = 16

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import typer
 
-from kvtool import api, container
+from kvtool import api, kvz
 from kvtool.cache import FORMAT_TAG
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
 from kvtool.cli.inspect import lossy_note
@@ -42,7 +42,7 @@ def compress(
         help="Recipe for a KV cache, e.g. 'byteplane|zstd:1'; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
     ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
-    chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
+    chunk_tokens: int = typer.Option(kvz.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
     threads: int = THREADS_OPTION,
     pattern: Optional[str] = PATTERN_OPTION,
     json_out: bool = JSON_OPTION,
@@ -69,7 +69,7 @@ def compress(
     _require_available(parsed.codec, *parsed.plane_codecs.values())
     api.save(cache, dst, parsed, chunk_tokens=chunk_tokens, threads=threads or None, progress=True)
     if parsed.lossy:
-        with container.open_kvz(dst) as reader:
+        with kvz.open_kvz(dst) as reader:
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
     _summary(src, dst, cache.nbytes / max(dst.stat().st_size, 1), {"recipe": parsed.spec()}, started, json_out)
 
@@ -88,9 +88,9 @@ def decompress(
     started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
-    if container.is_kvz(src) and not codec:
+    if kvz.is_kvz(src) and not codec:
         selected_layers, selected_tokens = parse_layers(layers), parse_tokens(tokens)
-        with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+        with kvz.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             check_token_range(selected_tokens, reader.num_tokens)
             cache = reader.read(selected_layers, selected_tokens, threads or None, on_progress=bar.update)
         if reader.lossy:  # the written cache keeps saying what it is
@@ -123,7 +123,7 @@ def verify(
 ):
     """Check a .kvz's header, index and every chunk checksum."""
     existing_file(src)
-    with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+    with kvz.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
         report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
         note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""

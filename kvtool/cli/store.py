@@ -100,12 +100,12 @@ def put(
 
 def kvz_tokens(value: bytes) -> int | None:
     """The token count in a .kvz value's header, or None for any other value (or a damaged .kvz)."""
-    from kvtool import container
+    from kvtool import kvz
 
-    if not value.startswith(container.MAGIC):
+    if not value.startswith(kvz.MAGIC):
         return None
     try:
-        with container.KvzReader.from_bytes(value) as reader:
+        with kvz.KvzReader.from_bytes(value) as reader:
             return reader.num_tokens
     except KvtoolError:
         return None
