@@ -29,16 +29,17 @@ def load(
     model: ModelFacts | None = None,
     threads: int | None = None,
     max_size: int = kvz.DEFAULT_MAX_SIZE,
+    max_expansion: int = kvz.DEFAULT_MAX_EXPANSION,
 ) -> KVCache:
     """A cache from a .kvz or a safetensors file, reading only the layers and tokens asked for.
 
     ``pattern`` and ``model`` describe safetensors files written by other tools
     (see ``KVCache.load``); ``threads`` decode a .kvz (all cores by default). ``max_size``
-    caps the bytes decoded from a .kvz; a file claiming more is refused before anything is
-    decoded.
+    caps the bytes decoded from a .kvz, and ``max_expansion`` how many times its stored size a
+    token block may decode to; a file claiming more is refused before anything is decoded.
     """
     if kvz.is_kvz(path):
-        with kvz.open_kvz(path, max_size=max_size) as reader:
+        with kvz.open_kvz(path, max_size=max_size, max_expansion=max_expansion) as reader:
             return reader.read(layers=layers, tokens=tokens, threads=threads)
     return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
 

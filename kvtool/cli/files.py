@@ -20,6 +20,7 @@ from kvtool.cli.inspect import lossy_note
 from kvtool.codecs import get_codec, sniff_codec
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
+from kvtool.kvz.extract import extract_safetensors
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.units import format_size, parse_size
 
@@ -29,6 +30,10 @@ PATTERN_OPTION = typer.Option(
 THREADS_OPTION = typer.Option(0, "--threads", "-t", min=0, help="Worker threads (0: one per core).")
 MAX_SIZE_OPTION = typer.Option(
     "16GiB", "--max-size", help="Refuse to decode more than this many bytes (e.g. 512MiB), checked before decoding."
+)
+MAX_EXPANSION_OPTION = typer.Option(
+    kvz.DEFAULT_MAX_EXPANSION, "--max-expansion", min=1,
+    help="Refuse a token block that would decode to more than this many times its stored size, checked before decoding.",
 )
 #: More layer ids than any model has; a longer --layers list is a typo, not a request.
 MAX_LAYER_SELECTION = 1 << 16
@@ -82,6 +87,7 @@ def decompress(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Only this token range of a .kvz, e.g. '0:128'."),
     threads: int = THREADS_OPTION,
     max_size: str = MAX_SIZE_OPTION,
+    max_expansion: int = MAX_EXPANSION_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
@@ -90,18 +96,18 @@ def decompress(
     limit = parse_size(max_size)
     if kvz.is_kvz(src) and not codec:
         selected_layers, selected_tokens = parse_layers(layers), parse_tokens(tokens)
-        with kvz.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+        with kvz.open_kvz(src, max_size=limit, max_expansion=max_expansion) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             check_token_range(selected_tokens, reader.num_tokens)
-            cache = reader.read(selected_layers, selected_tokens, threads or None, on_progress=bar.update)
-        if reader.lossy:  # the written cache keeps saying what it is
-            cache.provenance["lossy_recipe"] = reader.recipe.spec()
+            # the written cache keeps saying what it is
+            provenance = {**reader.provenance, "lossy_recipe": reader.recipe.spec()} if reader.lossy else None
+            written = extract_safetensors(reader, dst, selected_layers, selected_tokens, provenance, threads or None, bar.update)
+        if reader.lossy:
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
-        cache.save(dst)
         if layers or tokens:  # a part of the file: its ratio says nothing
-            selection = {"layers": cache.layer_ids, "tokens": _token_text(selected_tokens, cache.num_tokens)}
+            selection = {"layers": written.layer_ids, "tokens": _token_text(selected_tokens, written.num_tokens)}
             _summary(src, dst, None, selection, started, json_out)
         else:
-            _summary(src, dst, cache.nbytes / max(src.stat().st_size, 1), {}, started, json_out)
+            _summary(src, dst, written.nbytes / max(src.stat().st_size, 1), {}, started, json_out)
         return
     if layers or tokens:
         raise UsageError("--layers and --tokens apply only to .kvz files")
@@ -119,11 +125,12 @@ def verify(
     src: Path = typer.Argument(..., help="A .kvz file."),
     full: bool = typer.Option(False, "--full", help="Also decode every chunk and check the decoded bytes."),
     max_size: str = MAX_SIZE_OPTION,
+    max_expansion: int = MAX_EXPANSION_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Check a .kvz's header, index and every chunk checksum."""
     existing_file(src)
-    with kvz.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+    with kvz.open_kvz(src, max_size=parse_size(max_size), max_expansion=max_expansion) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         reader.verify(full=full, on_progress=bar.update)
         report = {"file": str(src), "ok": True, "chunks": len(reader.index), "decoded": full, "lossy": reader.lossy is not None}
         note = f" ({lossy_note(reader)}; the checksums cover what was stored)" if reader.lossy else ""

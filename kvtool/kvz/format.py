@@ -37,11 +37,11 @@ MAX_ROW_BYTES = 1 << 30  # heads x head_dim x itemsize of one token of one tenso
 MAX_JSON_DEPTH = 32
 #: What a reader decodes at most unless told otherwise (``max_size``; CLI ``--max-size``).
 DEFAULT_MAX_SIZE = 16 << 30
-#: How many times its stored size a coded chunk may decode to unless told otherwise
-#: (``max_expansion``; CLI ``--max-expansion``). Real caches stay below 200 (an all-zero
-#: plane of a lossy recipe through zstd; BENCHMARKS.md); zstd can reach about 32,000, so
-#: without this bound a 66 KB file could make a reader allocate 2 GiB.
-DEFAULT_MAX_EXPANSION = 4096
+#: How many times its stored bytes a token block (all its planes) may decode to unless told
+#: otherwise (``max_expansion``; CLI ``--max-expansion``). Blocks of real caches stay below 7,
+#: lossy recipes included (BENCHMARKS.md, "Bounded readers"); zstd alone reaches about
+#: 32,000 on zeros, so without this bound a 66 KB file could make a reader allocate 2 GiB.
+DEFAULT_MAX_EXPANSION = 1024
 
 INDEX_DTYPE = np.dtype(
     [

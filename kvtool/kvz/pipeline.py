@@ -13,8 +13,8 @@ destination)``, where the destination is
     byte offsets of each (tensor, head, token) row in flat byte arrays, such as
     an engine's paged KV blocks (``read_rows``);
 ``Each``
-    a function handed each decoded block in turn (``verify --full`` and streaming
-    writers): memory bounded by one block.
+    a function handed each decoded block (``verify --full`` and streaming writers),
+    on the thread that decoded it: memory bounded by one block per thread.
 
 Blocks are fetched in runs of about ``READ_RUN`` stored bytes, so memory beyond
 the destination is a run and one block per thread, whatever the file's size.
@@ -39,6 +39,8 @@ from kvtool.kvz.header import KvzHeader
 from kvtool.kvz.sources import READ_RUN, Buffer, ByteSource
 from kvtool.layouts.base import PlaneSpec
 
+#: Blocks that decode to more than this go one at a time (real caches' blocks are well below a MiB).
+LARGE_BLOCK = 64 << 20
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -69,7 +71,7 @@ class Rows:
 
 @dataclass(frozen=True)
 class Each:
-    fn: Callable[[int, int, np.ndarray], None]  # (position, token, block [heads, tokens, dim]) in file order
+    fn: Callable[[int, int, np.ndarray], None]  # (position, token, block [heads, tokens, dim]), on the decoding thread
 
 
 Destination = Union[Tensors, Rows, Each]
@@ -95,7 +97,8 @@ class ChunkPipeline(abc.ABC):
         begin = h.index["offset"][first].astype(np.int64)
         end = (h.index["offset"][last] + h.index["stored_len"][last]).astype(np.int64)
         runs = _runs(begin, end, READ_RUN)
-        workers = 1 if isinstance(destination, Each) else threads
+        if len(tokens) and int(tokens.max()) * h.heads * h.dim * h.dtype.itemsize > LARGE_BLOCK:
+            threads = 1  # one such block in flight, not one per worker: memory stays at the destination and a block
 
         def run(span: tuple[int, int]) -> int:
             lo, hi = span
@@ -104,7 +107,7 @@ class ChunkPipeline(abc.ABC):
             self._decode_run(data, base, first[lo:hi], tokens[lo:hi], blocks, lo, destination)
             return int(tokens[lo:hi].sum()) * h.heads * h.dim * h.dtype.itemsize
 
-        for _, nbytes in map_bounded(run, runs, workers):
+        for _, nbytes in map_bounded(run, runs, threads):
             if on_progress:
                 on_progress(nbytes)
 

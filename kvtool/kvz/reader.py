@@ -14,7 +14,7 @@ from kvtool.errors import UsageError
 from kvtool.facts import ModelFacts
 from kvtool.fileio import open_regular
 from kvtool.kvz.format import (
-    DEFAULT_MAX_EXPANSION, DEFAULT_MAX_SIZE, FLAG_STORED_RAW, MAGIC, KvzCorruptError, KvzTooLargeError,
+    DEFAULT_MAX_EXPANSION, DEFAULT_MAX_SIZE, MAGIC, KvzCorruptError, KvzTooLargeError,
 )
 from kvtool.kvz.header import KvzHeader, Tensor, read_metadata
 from kvtool.kvz.pipeline import Blocks, Destination, Each, Rows, Tensors, pipeline_for
@@ -131,7 +131,7 @@ class KvzReader:
         return list(self.header.planes_for(tokens))
 
     # -- selecting chunks --------------------------------------------------------------------------
-    def _positions(self, layers: Sequence[int] | None) -> tuple[list[int], list[int]]:
+    def selection(self, layers: Sequence[int] | None) -> tuple[list[int], list[int]]:
         """The layer ids asked for, and the manifest tensors (K then V of each) they read."""
         wanted = self.layer_ids if layers is None else list(layers)
         missing = [layer for layer in wanted if layer not in self.header.layer_ids]
@@ -153,25 +153,28 @@ class KvzReader:
         return blocks
 
     def _check_expansion(self, blocks: Blocks) -> None:
+        """Refuse blocks whose planes would decode to more than ``max_expansion`` times their stored
+        bytes, together: a single plane may shrink to almost nothing (the zero mantissas of
+        ``mant-round:0``), a whole block of a real cache does not."""
         h = self.header
-        if not len(blocks.tensor):
-            return
         first, _, planes = h.block_rows(blocks.tensor, blocks.start)
+        if not len(first) or not planes.any():
+            return
         rows = np.repeat(first, planes) + (np.arange(int(planes.sum())) - np.repeat(np.cumsum(planes) - planes, planes))
-        entries = h.index[rows]
-        raw, stored = entries["raw_len"], entries["stored_len"]
-        # raw > stored * max_expansion, without a product that could wrap around
-        over = ((entries["flags"] & FLAG_STORED_RAW) == 0) & (raw > 0) & ((raw - np.uint64(1)) // np.uint64(min(self.max_expansion, 1 << 63)) >= stored)
+        starts = np.cumsum(planes) - planes
+        raw = np.add.reduceat(h.index["raw_len"][rows].astype(np.float64), starts)
+        stored = np.add.reduceat(h.index["stored_len"][rows].astype(np.float64), starts)
+        over = raw > stored * float(self.max_expansion)
         if over.any():
-            row = int(rows[np.argmax(over)])
-            entry = h.index[row]
+            i = int(np.argmax(over))
+            row = int(first[i])
             raise h.chunk_error(
                 KvzTooLargeError, row,
-                f"{h.describe(row)} would expand {int(entry['stored_len'])} stored bytes to {int(entry['raw_len'])}, "
-                f"over {self.max_expansion} times (raise max_expansion, --max-expansion, for a file you trust)",
+                f"{h.describe(row)}: its block would expand {int(stored[i])} stored bytes to {int(raw[i])}, over "
+                f"{self.max_expansion} times (raise max_expansion, --max-expansion, for a file you trust)",
             )
 
-    def _check_read_size(self, n_tensors: int, tokens: int) -> None:
+    def check_read_size(self, n_tensors: int, tokens: int) -> None:
         """Refuse, before anything is allocated, a read whose result would exceed ``max_size``."""
         nbytes = n_tensors * self.header.heads * tokens * self.header.dim * self.dtype.itemsize
         if nbytes > self.max_size:
@@ -194,8 +197,8 @@ class KvzReader:
         The tensors come back as views of one array, allocated once, into which every chunk decodes.
         """
         start, stop = token_range(tokens, self.num_tokens)
-        self._check_read_size(2 * (len(self.layer_ids) if layers is None else len(layers)), stop - start)
-        wanted, positions = self._positions(layers)
+        self.check_read_size(2 * (len(self.layer_ids) if layers is None else len(layers)), stop - start)
+        wanted, positions = self.selection(layers)
         blocks = self._blocks(positions, start, stop)
         h = self.header
         arena = np.empty((len(positions), h.heads, stop - start, h.dim), self.dtype.numpy)
@@ -216,7 +219,7 @@ class KvzReader:
         buffer, with no intermediate cache. Offsets are checked against the targets before a byte is
         written.
         """
-        _, positions = self._positions(layers)
+        _, positions = self.selection(layers)
         h = self.header
         if rows.shape != (len(positions), h.heads, self.num_tokens) or len(target_of) != len(positions):
             raise UsageError(f"{self.name}: rows must be [{len(positions)}, {h.heads}, {self.num_tokens}] offsets")
@@ -230,22 +233,23 @@ class KvzReader:
         flat = [t.reshape(-1).view(np.uint8) for t in targets]
         self._decode(blocks, Rows(flat, rows, target_of), threads=1)
 
-    def iter_blocks(self, layers: Sequence[int] | None = None, tokens: slice | None = None,
-                    on_progress: Callable[[int], None] | None = None,
-                    fn: Callable[[int, int, np.ndarray], None] | None = None) -> None:
-        """Decode the blocks of ``layers`` and a token range one at a time, in file order, handing each
-        to ``fn(tensor, token, block)`` (the tensor's position in the read, K then V of each layer; its
-        first token, counted from the range's start; a ``[heads, tokens, dim]`` array valid during the
-        call). Memory stays at one block whatever the file's size: how a writer streams a cache."""
+    def iter_blocks(self, fn: Callable[[int, int, np.ndarray], None], layers: Sequence[int] | None = None,
+                    tokens: slice | None = None, threads: int | None = 1,
+                    on_progress: Callable[[int], None] | None = None) -> None:
+        """Decode the blocks of ``layers`` and a token range, handing each to ``fn(tensor, token, block)``
+        on the thread that decoded it (``threads`` workers; one by default): the tensor's position in
+        the read (K then V of each layer), its first token counted from the range's start (negative
+        when the range begins inside it), and a ``[heads, tokens, dim]`` array valid during the call.
+        Memory stays at a block per thread whatever the file's size: how a writer streams a cache."""
         start, stop = token_range(tokens, self.num_tokens)
-        _, positions = self._positions(layers)
-        self._decode(self._blocks(positions, start, stop), Each(fn or _discard), on_progress=on_progress)
+        _, positions = self.selection(layers)
+        self._decode(self._blocks(positions, start, stop), Each(fn), threads, on_progress)
 
     def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
         """Check every chunk's checksum; with ``full``, also decode every chunk exactly as a read does
         (the same pipeline, the same checks), one block at a time, and check its raw checksum."""
         if full:
-            self.iter_blocks(on_progress=on_progress)
+            self.iter_blocks(_discard, on_progress=on_progress)
             return
         for row, entry in enumerate(self.index):
             stored = self._source.read(int(entry["offset"]), int(entry["stored_len"]))
