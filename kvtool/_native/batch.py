@@ -82,6 +82,27 @@ class BatchCodec:
             raise ChunkDecodeError("does not decode (malformed chunk)", failed, "malformed")
 
 
+def place_rows(block: np.ndarray, offsets: np.ndarray, target: np.ndarray) -> bool:
+    """Row (h, t) of a C-contiguous ``[heads, tokens, dim]`` block to byte ``offsets[h * tokens + t]`` of the
+    flat byte array ``target`` (none where negative), in one call of the core; False where the core is
+    off or does not know the dtype. Every offset is checked against the target before a byte moves."""
+    core = _native.core()
+    try:
+        code = _native.DTYPE_CODES[dtype_of(block.dtype).name]
+    except (KeyError, UsageError):
+        return False
+    if core is None:
+        return False
+    heads, tokens, dim = block.shape
+    one = np.zeros(1, np.int64)
+    chunk = Chunks(one, np.array([block.nbytes]), one, one, np.ones(1, bool), np.array([tokens]), one, one)
+    status, failed = core.decode_rows(_native.byte_view(block), _jobs(chunk), one.astype("<i8").tobytes(),
+                                      offsets.astype("<i8").tobytes(), [target], code, heads, dim, False)
+    if status:
+        raise ChunkDecodeError("does not fit its destination", 0, "destination")
+    return True
+
+
 @dataclass(frozen=True)
 class Chunks:
     """Chunks to decode, one array each field, in the order they lie in the source buffer."""

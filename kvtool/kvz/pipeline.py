@@ -16,8 +16,9 @@ destination)``, where the destination is
     a function handed each decoded block (``verify --full`` and streaming writers),
     on the thread that decoded it: memory bounded by one block per thread.
 
-Blocks are fetched in runs of about ``READ_RUN`` stored bytes, so memory beyond
-the destination is a run and one block per thread, whatever the file's size.
+The native batch fetches blocks in runs of about ``READ_RUN`` stored bytes, the
+per-chunk pipeline one block at a time, so memory beyond the destination is a
+run and one block per thread, whatever the file's size.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 
 from kvtool._native import xxh3_64
 from kvtool._native.batch import BatchCodec, ChunkDecodeError, Chunks
+from kvtool._native.batch import place_rows as native_place_rows
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz.format import FLAG_STORED_RAW, KvzCorruptError
 from kvtool.kvz.header import KvzHeader
@@ -84,6 +86,9 @@ def pipeline_for(header: KvzHeader) -> "ChunkPipeline":
 
 
 class ChunkPipeline(abc.ABC):
+    #: Blocks are fetched in runs of about this many stored bytes (one block at least).
+    run_bytes = READ_RUN
+
     def __init__(self, header: KvzHeader):
         self.header = header
         self._scratch = threading.local()
@@ -96,7 +101,7 @@ class ChunkPipeline(abc.ABC):
         last = first + planes - 1
         begin = h.index["offset"][first].astype(np.int64)
         end = (h.index["offset"][last] + h.index["stored_len"][last]).astype(np.int64)
-        runs = _runs(begin, end, READ_RUN)
+        runs = _runs(begin, end, self.run_bytes)
         if len(tokens) and int(tokens.max()) * h.heads * h.dim * h.dtype.itemsize > LARGE_BLOCK:
             threads = 1  # one such block in flight, not one per worker: memory stays at the destination and a block
 
@@ -170,7 +175,10 @@ def _chunks(entries: np.ndarray, base: int, out_index: np.ndarray, block_start: 
 class PerChunk(ChunkPipeline):
     """Any recipe: each block's planes through their codecs, then the layout chain's inverse into the
     destination (or a block-sized scratch this thread reuses, where the destination is not one
-    C-contiguous block)."""
+    C-contiguous block). Blocks are fetched one at a time: Python's work per block
+    dwarfs a read, and memory beyond the destination stays at about one block."""
+
+    run_bytes = 0
 
     def _decode_run(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks, lo: int,
                     destination: Destination) -> None:
@@ -187,8 +195,13 @@ class PerChunk(ChunkPipeline):
                 arena[position, :, start:stop] = out[:, start - token : stop - token]
             elif isinstance(destination, Rows):
                 flat = destination.targets[destination.target_of[position]].reshape(-1).view(np.uint8)
-                place_rows(flat, destination.rows[position, :, token : token + n].reshape(-1),
-                           out.reshape(-1, self.header.dim).view(np.uint8))
+                offsets = destination.rows[position, :, token : token + n].reshape(-1)
+                try:
+                    placed = native_place_rows(out, offsets, flat)
+                except ChunkDecodeError:
+                    raise self.header.chunk_error(KvzCorruptError, row, f"{self.header.describe(row)} does not fit its destination") from None
+                if not placed:
+                    place_rows(flat, offsets, out.reshape(-1, self.header.dim).view(np.uint8))
             else:
                 destination.fn(position, token, out)
 
@@ -250,7 +263,8 @@ def place_rows(flat: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> None:
     row per index; others move a byte per index, eight times the memory.
     """
     kept = offsets >= 0
-    offsets, rows = offsets[kept], rows[kept]
+    if not kept.all():
+        offsets, rows = offsets[kept], rows[kept]
     row_bytes = rows.shape[1]
     if row_bytes and not (offsets % row_bytes).any():
         flat[: flat.size // row_bytes * row_bytes].reshape(-1, row_bytes)[offsets // row_bytes] = rows

@@ -47,10 +47,10 @@ class FileSource:
 
     def read_run(self, offset: int, length: int) -> memoryview:
         """Like ``read``, into a buffer this thread reuses: a fresh buffer per run would cost a page
-        fault per 4 KiB. It grows to the largest run read and shrinks back after a large one."""
+        fault per 4 KiB. It grows to the largest run read and shrinks back after one over ``READ_RUN``."""
         buf: bytearray | None = getattr(self._buffers, "buf", None)
         if buf is None or len(buf) < length or (len(buf) > READ_RUN and length <= READ_RUN):
-            buf = self._buffers.buf = bytearray(max(length, READ_RUN))
+            buf = self._buffers.buf = bytearray(length)
         view = memoryview(buf)[:length]
         self._count(os.preadv(self._f.fileno(), [view], offset), offset, length)
         return view
