@@ -96,8 +96,8 @@ def place_rows(block: np.ndarray, offsets: np.ndarray, target: np.ndarray) -> bo
     heads, tokens, dim = block.shape
     one = np.zeros(1, np.int64)
     chunk = Chunks(one, np.array([block.nbytes]), one, one, np.ones(1, bool), np.array([tokens]), one, one)
-    status, failed = core.decode_rows(_native.byte_view(block), _jobs(chunk), one.astype("<i8").tobytes(),
-                                      offsets.astype("<i8").tobytes(), [target], code, heads, dim, False)
+    status, _ = core.decode_rows(_native.byte_view(block), _jobs(chunk), one.astype("<i8").tobytes(),
+                                 offsets.astype("<i8").tobytes(), [target], code, heads, dim, False)
     if status:
         raise ChunkDecodeError("does not fit its destination", 0, "destination")
     return True
