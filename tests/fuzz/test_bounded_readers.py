@@ -58,7 +58,7 @@ def test_a_caller_who_trusts_the_file_raises_the_limit(tmp_path):
     assert KVCache.load(tmp_path / "out.safetensors").equal_bits(cache)
 
 
-def test_verify_full_fails_where_decoding_fails():
+def test_verify_full_fails_where_decoding_fails(tmp_path):
     """A file whose tensors claim zero heads: whatever decoding makes of it, verify --full makes the same."""
     build = claim([0, 64, 64], 64, lambda raw_len: (b"\x00" * 8, 0), recipe="exphuff")
     outcomes = []
@@ -72,6 +72,12 @@ def test_verify_full_fails_where_decoding_fails():
     assert outcomes[0] == outcomes[1], outcomes
     if _native.core() is not None:  # the native batch refuses a block with no room for it
         assert outcomes[0] == "KvzCorruptError"
+    path = tmp_path / "no-heads.kvz"
+    path.write_bytes(build())
+    runner = CliRunner()
+    verify = runner.invoke(app, ["verify", str(path), "--full"])
+    decompress = runner.invoke(app, ["decompress", str(path), str(tmp_path / "out.safetensors")])
+    assert verify.exit_code == decompress.exit_code == (0 if outcomes[0] == "ok" else 4), (verify.output, decompress.output)
 
 
 @pytest.mark.parametrize("recipe", ["exphuff", "byteplane|zstd:1", "int:4|zstd:3"])
