@@ -1,6 +1,6 @@
 """Restore speed and peak memory of a .kvz reader, through names every kvtool version has.
 
-    python benchmarks/restore_bench.py [--repeat 5] [--tokens 1024]
+    python benchmarks/restore_bench.py [--repeat 5] [--tokens 1024] [--recipe exphuff ...]
 
 On samples/code.safetensors tiled to ``--tokens`` tokens (30 layers, bf16), for each recipe:
 ``kvtool.load`` of the file (one thread), ``read_rows`` into vLLM-like paged blocks (16-token
@@ -65,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--recipe", action="append", help="Only these recipes (repeatable).")
     parser.add_argument("--child", nargs=2)
     args = parser.parse_args()
     if args.child:
@@ -75,7 +76,7 @@ def main() -> None:
     tile = lambda arrays: [np.concatenate([a] * reps, axis=1)[:, : args.tokens] for a in arrays]  # noqa: E731
     cache = KVCache(tile(sample.keys), tile(sample.values), sample.model, {}, layer_ids=sample.layer_ids)
     with tempfile.TemporaryDirectory() as tmp:
-        for recipe in RECIPES:
+        for recipe in args.recipe or RECIPES:
             path = str(Path(tmp) / "c.kvz")
             kvtool.save(cache, path, recipe=recipe, threads=1)
             reader = kvtool.open_kvz(path)

@@ -47,10 +47,13 @@ class FileSource:
 
     def read_run(self, offset: int, length: int) -> memoryview:
         """Like ``read``, into a buffer this thread reuses: a fresh buffer per run would cost a page
-        fault per 4 KiB. It grows to the largest run read and shrinks back after one over ``READ_RUN``."""
+        fault per 4 KiB. It grows (doubling, up to ``READ_RUN``) to the largest run read, and shrinks
+        back after one over ``READ_RUN``."""
         buf: bytearray | None = getattr(self._buffers, "buf", None)
         if buf is None or len(buf) < length or (len(buf) > READ_RUN and length <= READ_RUN):
-            buf = self._buffers.buf = bytearray(length)
+            size = max(length, min(2 * len(buf), READ_RUN)) if buf is not None else length
+            buf = self._buffers.buf = None  # the old one goes before the new one comes
+            buf = self._buffers.buf = bytearray(size)
         view = memoryview(buf)[:length]
         self._count(os.preadv(self._f.fileno(), [view], offset), offset, length)
         return view
