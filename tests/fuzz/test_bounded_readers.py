@@ -102,3 +102,24 @@ def test_streamed_decompress_writes_what_read_and_save_write(samples, tmp_path, 
         written = extract_safetensors(reader, tmp_path / "streamed.safetensors", threads=2, **selection)
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "whole.safetensors").read_bytes()
     assert written.num_tokens == (65 if selection else 90)
+
+
+@pytest.mark.parametrize("recipe", ["channel-major|byteplane|zstd:1", "int:4,group=64|zstd:3", "ctxans"])
+def test_rows_decode_without_a_cache_in_between(samples, recipe):
+    """``read_rows`` allocates about a block beyond its caller's targets, not a decoded cache."""
+    import tracemalloc
+
+    cache = KVCache.load(samples[0])
+    with KvzReader.from_bytes(encode_cache(cache, recipe, chunk_tokens=64, threads=1)) as reader:
+        heads, tokens, dim = reader.tensors[0][2]
+        count, row = 2 * len(reader.layer_ids), dim * reader.dtype.itemsize
+        target = np.zeros(count * heads * tokens * row, np.uint8)
+        rows = (np.arange(count * heads * tokens, dtype=np.int64) * row).reshape(count, heads, tokens)
+        tracemalloc.start()
+        try:
+            reader.read_rows([target], rows, [0] * count)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < cache.nbytes // 8, (peak, cache.nbytes)
+        assert target.tobytes() == b"".join(a.tobytes() for _, _, a in reader.read().tensors())
