@@ -121,5 +121,7 @@ def test_rows_decode_without_a_cache_in_between(samples, recipe):
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        assert peak < cache.nbytes // 8, (peak, cache.nbytes)
+        # a cache in between costs its whole size; a block and a codec's working memory (the numpy
+        # reference of ctxans holds a few MiB of its own) stay well under half of it
+        assert peak < cache.nbytes // 2, (peak, cache.nbytes)
         assert target.tobytes() == b"".join(a.tobytes() for _, _, a in reader.read().tensors())
