@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.container import encode_cache
+from kvtool.kvz import encode_cache
 from kvtool.errors import UsageError
 from kvtool.recipe import DEFAULT_RECIPE
 from kvtool.store import open_store

@@ -9,7 +9,7 @@ then coded with ``ctxans`` and the dictionary of its own text ("same") and of th
 text ("other"), and of a third text when ``--third`` gives one, at 256-token chunks (what
 the store keeps) and at one chunk per tensor, next to ``exphuff`` (the default recipe)
 and the best order-0 recipe. Encode and decode
-run on one thread through ``kvtool.container`` exactly as ``kvtool compress`` does; speed
+run on one thread through ``kvtool.kvz`` exactly as ``kvtool compress`` does; speed
 is CPU time (``time.process_time``), the least of ``--repeat`` runs, per GB (10^9 bytes)
 of original data. Every result is decoded and compared bit for bit.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from kvtool.bench.bounds import entropy_limits
 from kvtool.bench.recipes import rans_recipe
 from kvtool.cache import KVCache
-from kvtool.container import KvzReader, decode_cache, encode_cache
+from kvtool.kvz import KvzReader, decode_cache, encode_cache
 from kvtool.modeldict.train import train
 
 CHUNKS = (256, 4096)

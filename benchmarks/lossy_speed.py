@@ -14,7 +14,7 @@ import sys
 import time
 
 from kvtool.cache import KVCache
-from kvtool.container import KvzReader, encode_cache
+from kvtool.kvz import KvzReader, encode_cache
 
 
 def main() -> None:

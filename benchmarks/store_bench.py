@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.container import decode_cache, encode_cache
+from kvtool.kvz import decode_cache, encode_cache
 from kvtool.recipe import DEFAULT_RECIPE
 from kvtool.store import Store, open_store
 

@@ -6,7 +6,7 @@
     python examples/agent_session.py --api http://127.0.0.1:8470  # through a running `kvtool serve`
 
 The session's cache is a real one from samples/ (SmolLM2-135M, 256 tokens),
-encoded chunk by chunk with ``kvtool.container.encode_cache``; where the
+encoded chunk by chunk with ``kvtool.kvz.encode_cache``; where the
 samples are missing, random bytes of the same size stand in. Each chunk of the
 prompt is one store entry under a prefix key. While the agent waits for its
 tool, the entries are unpinned and offloaded to the bottom tier; when the tool
@@ -52,7 +52,7 @@ def chunk_payloads(chunk_tokens: int) -> tuple[list[bytes], str]:
     """The encoded cache of each chunk of the prompt, and where it came from."""
     try:
         from kvtool.cache import KVCache
-        from kvtool.container import encode_cache
+        from kvtool.kvz import encode_cache
 
         cache = KVCache.load(SAMPLE)
     except (ImportError, OSError) as exc:

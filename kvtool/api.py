@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
-from kvtool import container
+from kvtool import kvz
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 
@@ -28,17 +28,18 @@ def load(
     pattern: str | None = None,
     model: ModelFacts | None = None,
     threads: int | None = None,
-    max_size: int = container.DEFAULT_MAX_SIZE,
+    max_size: int = kvz.DEFAULT_MAX_SIZE,
+    max_expansion: int = kvz.DEFAULT_MAX_EXPANSION,
 ) -> KVCache:
     """A cache from a .kvz or a safetensors file, reading only the layers and tokens asked for.
 
     ``pattern`` and ``model`` describe safetensors files written by other tools
     (see ``KVCache.load``); ``threads`` decode a .kvz (all cores by default). ``max_size``
-    caps the bytes decoded from a .kvz; a file claiming more is refused before anything is
-    decoded.
+    caps the bytes decoded from a .kvz, and ``max_expansion`` how many times its stored size a
+    token block may decode to; a file claiming more is refused before anything is decoded.
     """
-    if container.is_kvz(path):
-        with container.open_kvz(path, max_size=max_size) as reader:
+    if kvz.is_kvz(path):
+        with kvz.open_kvz(path, max_size=max_size, max_expansion=max_expansion) as reader:
             return reader.read(layers=layers, tokens=tokens, threads=threads)
     return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
 
@@ -47,14 +48,14 @@ def save(
     cache: KVCache,
     path: str | os.PathLike,
     recipe: Recipe | str = DEFAULT_RECIPE,
-    chunk_tokens: int = container.DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int = kvz.DEFAULT_CHUNK_TOKENS,
     threads: int | None = None,
     metadata: dict[str, str] | None = None,
     progress: bool = False,
 ) -> int:
     """Write ``cache`` as a .kvz with ``recipe`` (atomically); return the file size."""
     with _bar(progress, cache.nbytes, Path(path).name) as bar:
-        return container.save(cache, path, recipe, chunk_tokens, threads, metadata, on_progress=bar.update)
+        return kvz.save(cache, path, recipe, chunk_tokens, threads, metadata, on_progress=bar.update)
 
 
 def iter_caches(

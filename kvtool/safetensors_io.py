@@ -76,17 +76,26 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str,
     process. The header is padded with spaces to 8 bytes, as the format allows.
     """
     ordered = sorted(tensors, key=lambda item: item[0])
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, array in ordered:
-        header[name] = {"dtype": dtype_of(array).safetensors, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    head, _ = safetensors_frame([(name, array.shape, array.dtype) for name, array in ordered], metadata)
     with atomic_write(path) as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(head)
         for _, array in ordered:
             f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+
+def safetensors_frame(tensors: Sequence[tuple[str, tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The bytes before the data of a safetensors file holding ``(name, shape, dtype)`` tensors, as
+    ``write_safetensors`` writes it, and where each tensor's data starts in the file."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset, starts = 0, {}
+    for name, shape, dtype in sorted(tensors, key=lambda item: item[0]):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": dtype_of(np.dtype(dtype)).safetensors, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        starts[name] = offset
+        offset += nbytes
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, {name: 8 + len(text) + at for name, at in starts.items()}
 
 
 def read_cache(

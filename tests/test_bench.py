@@ -20,7 +20,7 @@ from kvtool.cache import KVCache
 from kvtool.cli import app
 from kvtool.codecs.base import Availability
 from kvtool.codecs.qat import QatCodec
-from kvtool.container import KvzReader, encode_cache
+from kvtool.kvz import KvzReader, encode_cache
 from kvtool.recipe import DEFAULT_RECIPE
 
 runner = CliRunner()

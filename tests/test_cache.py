@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 import kvtool
-from kvtool import container
+from kvtool import kvz
 from kvtool.cache import KVCache
 from kvtool.errors import UsageError
 
@@ -41,7 +41,7 @@ def _readers(files):
     return {
         "select": lambda tokens: files["cache"].select(tokens=tokens),
         "safetensors": lambda tokens: KVCache.load(files["safetensors"], tokens=tokens),
-        "kvz": lambda tokens: container.open_kvz(files["kvz"]).read(tokens=tokens),
+        "kvz": lambda tokens: kvz.open_kvz(files["kvz"]).read(tokens=tokens),
         "api": lambda tokens: kvtool.load(files["kvz"], tokens=tokens),
     }
 

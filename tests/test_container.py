@@ -10,11 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtool import container
+from kvtool import kvz
 from kvtool.cache import KVCache
 from kvtool.codecs import registry as codec_registry
 from kvtool.recipe import recipe_for
-from kvtool.container import KvzCorruptError, KvzFormatError, decode_cache, encode_cache, open_kvz
+from kvtool.kvz import KvzCorruptError, KvzFormatError, decode_cache, encode_cache, open_kvz
+from kvtool.kvz.format import FLAG_STORED_RAW
+from kvtool.layouts.base import PlaneSpec
 from kvtool.errors import DecodeError, UsageError
 from kvtool.recipe import Recipe
 from kvtool.testing import require_available
@@ -46,7 +48,7 @@ def test_every_codec_round_trips_every_sample(samples, tmp_path, codec_id):
     for sample in samples:
         cache = KVCache.load(sample)
         path = tmp_path / f"{sample.stem}.kvz"
-        container.save(cache, path, recipe_for(codec_id))
+        kvz.save(cache, path, recipe_for(codec_id))
         with open_kvz(path) as reader:
             reader.verify(full=True)
             assert reader.read().equal_bits(cache)
@@ -65,8 +67,8 @@ def test_recipes_round_trip(small, recipe, chunk_tokens):
 def test_random_access_reads_only_needed_chunks(samples, tmp_path):
     cache = KVCache.load(samples[0])
     path = tmp_path / "c.kvz"
-    container.save(cache, path, "byteplane|zstd:1", chunk_tokens=64)
-    full = container.open_kvz(path).read()
+    kvz.save(cache, path, "byteplane|zstd:1", chunk_tokens=64)
+    full = kvz.open_kvz(path).read()
     for layers, tokens in [([7], None), (None, slice(0, 128)), ([3, 4], slice(70, 130))]:
         with open_kvz(path) as reader:
             metadata_bytes = reader.bytes_read
@@ -136,7 +138,7 @@ def _rewrite_header(blob: bytes, header: bytes) -> bytes:
 
 
 def test_sizes_report(small):
-    reader = container.KvzReader.from_bytes(encode_cache(small, "byteplane|zstd:1"))
+    reader = kvz.KvzReader.from_bytes(encode_cache(small, "byteplane|zstd:1"))
     sizes = reader.sizes()
     assert sizes["total"]["raw"] == small.nbytes
     assert sizes["total"]["stored"] == int(reader.index["stored_len"].sum())
@@ -146,8 +148,8 @@ def test_sizes_report(small):
 
 
 def test_incompressible_planes_are_stored_raw(small):
-    reader = container.KvzReader.from_bytes(encode_cache(small, "byteplane|zstd:1"))
-    raw = (reader.index["flags"] & container.FLAG_STORED_RAW) != 0
+    reader = kvz.KvzReader.from_bytes(encode_cache(small, "byteplane|zstd:1"))
+    raw = (reader.index["flags"] & FLAG_STORED_RAW) != 0
     assert np.all(reader.index["stored_len"][raw] == reader.index["raw_len"][raw])
     assert np.all(reader.index["stored_len"][~raw] < reader.index["raw_len"][~raw])
 
@@ -159,17 +161,17 @@ def test_interrupted_save_leaves_nothing(small, tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        container.save(small, target, "byteplane|zstd:1", on_progress=boom)
+        kvz.save(small, target, "byteplane|zstd:1", on_progress=boom)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_user_metadata_is_kept_apart(small, tmp_path):
     path = tmp_path / "m.kvz"
-    container.save(small, path, "zstd:1", metadata={"session": "abc"})
+    kvz.save(small, path, "zstd:1", metadata={"session": "abc"})
     with open_kvz(path) as reader:
         assert reader.metadata == {"session": "abc"}
     with pytest.raises(UsageError):
-        container.save(small, path, "zstd:1", metadata={"n": 1})
+        kvz.save(small, path, "zstd:1", metadata={"n": 1})
 
 
 def test_empty_and_single_token_caches(small):
@@ -186,7 +188,7 @@ def test_recipe_errors_name_the_stage():
     with pytest.raises(UsageError, match="level must be"):
         Recipe.parse("byteplane|zstd:99")
     with pytest.raises(UsageError, match="names planes"):
-        Recipe.parse("byteplane|zstd:1,mant=none").plan(container.PlaneSpec("data", (3, 4, 64), np.dtype("<u2")))
+        Recipe.parse("byteplane|zstd:1,mant=none").plan(PlaneSpec("data", (3, 4, 64), np.dtype("<u2")))
 
 
 def test_recipe_spec_and_config_round_trip():
@@ -230,7 +232,7 @@ def test_fuzzed_files_decode_exactly_or_fail_cleanly(small, data):
 def test_read_rows_of_a_cache_without_tokens_places_nothing(small, recipe):
     empty = small.select(tokens=slice(0, 0))
     target = np.full(16, 7, np.uint8)
-    with container.KvzReader.from_bytes(encode_cache(empty, recipe)) as reader:
+    with kvz.KvzReader.from_bytes(encode_cache(empty, recipe)) as reader:
         reader.read_rows([target], np.zeros((6, 3, 0), np.int64), [0] * 6)
     assert (target == 7).all()
 
@@ -238,8 +240,8 @@ def test_read_rows_of_a_cache_without_tokens_places_nothing(small, recipe):
 @pytest.mark.parametrize("recipe", ["byteplane|zstd:1", "exphuff"])
 def test_full_verify_reads_each_chunk_once(small, tmp_path, recipe):
     path = tmp_path / "c.kvz"
-    container.save(small, path, recipe, chunk_tokens=16)
-    with container.open_kvz(path) as reader:
+    kvz.save(small, path, recipe, chunk_tokens=16)
+    with kvz.open_kvz(path) as reader:
         before = reader._source.bytes_read
         progress = []
         reader.verify(full=True, on_progress=progress.append)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvtool import _native
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
-from kvtool.container import decode_cache, encode_cache
+from kvtool.kvz import decode_cache, encode_cache
 from kvtool.errors import DecodeError
 from kvtool.modeldict import ctxans_reference as reference
 from kvtool.modeldict import format as dict_format
@@ -128,7 +128,7 @@ def test_repeated_rows_are_named_not_coded(samples):
 def test_files_are_the_same_without_the_core(samples):
     """The whole .kvz, written and read with the core and with the reference path only."""
     script = (
-        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.container import encode_cache;"
+        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.kvz import encode_cache;"
         "c = KVCache.load(sys.argv[1], layers=[0, 3], tokens=slice(0, 90));"
         "print(hashlib.sha256(encode_cache(c, 'ctxans', chunk_tokens=32)).hexdigest())"
     )

@@ -19,7 +19,7 @@ from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, quantize
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
 from kvtool.codecs.ctxtans import tables_of
-from kvtool.container import KvzReader, decode_cache, encode_cache
+from kvtool.kvz import KvzReader, decode_cache, encode_cache
 from kvtool.errors import DecodeError
 from kvtool.modeldict.format import Dictionary
 from kvtool.testing.arraycodecs import DTYPES
@@ -183,7 +183,7 @@ def test_a_chunk_of_another_dictionary_is_refused(samples):
 def test_files_are_the_same_without_the_core(samples):
     """The whole .kvz, written and read with the core and with the reference path only."""
     script = (
-        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.container import encode_cache;"
+        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.kvz import encode_cache;"
         "c = KVCache.load(sys.argv[1], layers=[0, 3], tokens=slice(0, 90));"
         "print(hashlib.sha256(encode_cache(c, 'ctxtans', chunk_tokens=32)).hexdigest())"
     )

@@ -13,7 +13,7 @@ import pytest
 
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.codecs import get_codec
-from kvtool.container import KvzReader, decode_cache, encode_cache
+from kvtool.kvz import KvzReader, decode_cache, encode_cache
 from kvtool.errors import DecodeError, UsageError
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import PROB_SCALE, Dictionary, DictionaryError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.container import open_kvz
+from kvtool.kvz import open_kvz
 from kvtool.layouts.lossy import bound_violation
 from kvtool.recipe import Recipe
 

@@ -16,7 +16,7 @@ from kvtool.bench.accuracy import DEFAULT_RECIPES
 from kvtool.bench.matrix import measure
 from kvtool.cache import DTYPES, KVCache
 from kvtool.cli import app
-from kvtool.container import KvzCorruptError, KvzFormatError, KvzReader, decode_cache, encode_cache
+from kvtool.kvz import KvzCorruptError, KvzFormatError, KvzReader, decode_cache, encode_cache
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.layouts import get_layout, parse_layouts, registry

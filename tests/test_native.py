@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvtool import _native
 from kvtool._native import reference
 from kvtool.cache import KVCache
-from kvtool.container import decode_cache, encode_cache
+from kvtool.kvz import decode_cache, encode_cache
 from kvtool.errors import DecodeError
 from kvtool.testing.arraycodecs import DTYPES
 
@@ -108,7 +108,7 @@ def test_native_xxh3_is_xxh3(size):
 def test_files_are_the_same_without_the_core(samples, tmp_path):
     """The whole .kvz, written and read with the core and with the reference path only."""
     script = (
-        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.container import encode_cache;"
+        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.kvz import encode_cache;"
         "c = KVCache.load(sys.argv[1], layers=[2, 3], tokens=slice(0, 90));"
         "print(hashlib.sha256(encode_cache(c, 'exphuff', chunk_tokens=32)).hexdigest())"
     )

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvtool.cache import KVCache
-from kvtool.container import KvzCorruptError, KvzReader, encode_cache
+from kvtool.kvz import KvzCorruptError, KvzReader, encode_cache
 from kvtool.errors import UsageError
 
 BLOCK = 16
@@ -22,7 +22,7 @@ def paged_rows(pages: np.ndarray, block_ids: np.ndarray, tokens: int, kind: int)
     return elems.astype(np.int64)
 
 
-@pytest.mark.parametrize("recipe", ["exphuff", "ctxtans", "none", "zstd:3"])
+@pytest.mark.parametrize("recipe", ["exphuff", "ctxtans", "none", "zstd:3", "ctxans", "channel-major|byteplane|zstd:1"])
 def test_rows_land_in_their_paged_blocks(samples, recipe):
     cache = KVCache.load(samples[0], layers=[0, 5, 9], tokens=slice(0, 96))
     heads, tokens, dim = cache.keys[0].shape
@@ -39,6 +39,20 @@ def test_rows_land_in_their_paged_blocks(samples, recipe):
             assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
     untouched = np.setdiff1d(np.arange(40), block_ids)
     assert not any(page[untouched].view(np.uint16).any() for page in pages)
+
+
+@pytest.mark.parametrize("recipe", ["int:4,group=64|zstd:3", "fp8:e4m3|exphuff"])
+def test_lossy_rows_are_what_a_read_restores(samples, recipe):
+    """A lossy entry restores into paged blocks exactly as ``read`` restores it (no cache in between)."""
+    cache = KVCache.load(samples[0], layers=[0, 5], tokens=slice(0, 80))
+    heads, tokens, dim = cache.keys[0].shape
+    target = np.zeros((4, heads, tokens, dim), cache.dtype.numpy)
+    rows = (np.arange(4 * heads * tokens, dtype=np.int64) * dim * 2).reshape(4, heads, tokens)
+    with KvzReader.from_bytes(encode_cache(cache, recipe, chunk_tokens=32)) as reader:
+        reader.read_rows([target], rows, [0] * 4)
+        restored = reader.read()
+    expected = np.stack([a for _, _, a in restored.tensors()])
+    assert np.array_equal(target.view(np.uint16), expected.view(np.uint16))
 
 
 @pytest.mark.parametrize("recipe", ["exphuff", "zstd:3"])

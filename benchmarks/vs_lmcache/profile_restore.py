@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from kvtool.cache import KVCache  # noqa: E402
-from kvtool.container import KvzReader  # noqa: E402
+from kvtool.kvz import KvzReader  # noqa: E402
 from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, kv_views, scatter_blocks, to_numpy  # noqa: E402
 from kvtool.integrations.vllm.plan import LoadJob  # noqa: E402
 from kvtool.integrations.vllm.transfer import PagedLayers, Restore, encode_and_store  # noqa: E402

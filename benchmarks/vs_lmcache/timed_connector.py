@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kvtool import container
+from kvtool import kvz
 from kvtool.integrations.vllm import transfer
 from kvtool.integrations.vllm.connector import KvtoolConnector
 
@@ -97,10 +97,10 @@ transfer.scatter_blocks = _timed("copy", transfer.scatter_blocks)
 transfer.gather_blocks = _timed("capture_gather", transfer.gather_blocks)
 transfer.from_numpy = _timed("to_torch", transfer.from_numpy)
 transfer.encode_cache = _timed("encode", transfer.encode_cache)
-container.KvzReader.read = _timed("decode", container.KvzReader.read)
-container.KvzReader.read_rows = _timed("decode_pages", container.KvzReader.read_rows)
-_from_bytes = container.KvzReader.from_bytes.__func__
-container.KvzReader.from_bytes = classmethod(_timed("open", _from_bytes))
+kvz.KvzReader.read = _timed("decode", kvz.KvzReader.read)
+kvz.KvzReader.read_rows = _timed("decode_pages", kvz.KvzReader.read_rows)
+_from_bytes = kvz.KvzReader.from_bytes.__func__
+kvz.KvzReader.from_bytes = classmethod(_timed("open", _from_bytes))
 
 
 class TimedKvtoolConnector(KvtoolConnector):

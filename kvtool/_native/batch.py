@@ -6,15 +6,16 @@ batch of chunks to verify and decode into one output array, with the GIL
 released throughout, so a thread pool scales with the cores. It serves the
 recipes the core implements end to end: ``exphuff``, ``ctxtans`` (with its
 dictionary's tables, built once) and ``none`` (no layouts).
-Every other recipe, and every recipe without the core, takes the container's
-per-chunk path, which writes the same bytes.
+Every other recipe, and every recipe without the core, takes the .kvz reader's
+and writer's per-chunk path, which writes the same bytes. The core's job records
+(``JOB_DTYPE``) are built here and nowhere else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Union
 
 import numpy as np
 
@@ -22,8 +23,7 @@ from kvtool import _native
 from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
 
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer  # anything with the buffer protocol
+Buffer = Union[bytes, bytearray, memoryview]
 
 
 @dataclass(frozen=True)
@@ -58,31 +58,88 @@ class BatchCodec:
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
 
-    def decode(self, src: ReadableBuffer, jobs: np.ndarray, out: np.ndarray, describe: Callable[[int], str]) -> None:
-        """Verify and decode ``jobs`` (JOB_DTYPE) from ``src`` into ``out`` ``[n, heads, tokens, dim]``.
-
-        ``describe(i)`` names job ``i`` in an error message.
-        """
+    def decode(self, src: Buffer, chunks: Chunks, out: np.ndarray) -> None:
+        """Verify and decode ``chunks`` from ``src`` into ``out`` ``[n, heads, tokens, dim]``: chunk i to
+        tensor ``chunks.out_index[i]`` at token ``chunks.block_start[i]``, clipped to the tensor's tokens."""
         _, heads, tokens, dim = out.shape
         status, failed = self.core.decode_blocks(
-            src, jobs.tobytes(), out.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, True, self.model
+            src, _jobs(chunks), out.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, True, self.model
         )
-        self._raise(status, failed, describe)
+        self._raise(status, failed)
 
-    def decode_rows(self, src: ReadableBuffer, jobs: np.ndarray, row_starts: np.ndarray, rows: np.ndarray,
-                    targets: list[np.ndarray], heads: int, dim: int, describe: Callable[[int], str]) -> None:
-        """Verify and decode ``jobs``; row (h, t) of job i goes to byte ``rows[row_starts[i] + h * tokens + t]`` of
-        ``targets[out_index]`` (flat writable byte arrays)."""
+    def decode_rows(self, src: Buffer, chunks: Chunks, row_starts: np.ndarray, rows: np.ndarray, targets: list[np.ndarray],
+                    heads: int, dim: int) -> None:
+        """Verify and decode ``chunks``; row (h, t) of chunk i goes to byte ``rows[row_starts[i] + h * tokens + t]`` of
+        ``targets[chunks.out_index[i]]`` (flat writable byte arrays), or nowhere where that offset is negative."""
         status, failed = self.core.decode_rows(
-            src, jobs.tobytes(), row_starts.astype("<i8").tobytes(), rows.astype("<i8").tobytes(), targets,
+            src, _jobs(chunks), row_starts.astype("<i8").tobytes(), rows.astype("<i8").tobytes(), targets,
             self.dtype_code, heads, dim, True, self.model,
         )
-        self._raise(status, failed, describe)
+        self._raise(status, failed)
 
-    def _raise(self, status: int, failed: int, describe: Callable[[int], str]) -> None:
+    def _raise(self, status: int, failed: int) -> None:
         if status == self.core.STATUS_CHECKSUM:
-            raise DecodeError(f"checksum mismatch in {describe(failed)}")
+            raise ChunkDecodeError("checksum mismatch", failed, "checksum")
         if status == self.core.STATUS_ARG:
-            raise DecodeError(f"{describe(failed)} does not fit its destination")
+            raise ChunkDecodeError("does not fit its destination", failed, "destination")
         if status:
-            raise DecodeError(f"{describe(failed)} does not decode (malformed chunk)")
+            raise ChunkDecodeError("does not decode (malformed chunk)", failed, "malformed")
+
+
+def place_rows(block: np.ndarray, offsets: np.ndarray, target: np.ndarray) -> bool:
+    """Row (h, t) of a C-contiguous ``[heads, tokens, dim]`` block to byte ``offsets[h * tokens + t]`` of the
+    flat byte array ``target`` (none where negative), in one call of the core; False where the core is
+    off or does not know the dtype. Every offset is checked against the target before a byte moves."""
+    core = _native.core()
+    try:
+        code = _native.DTYPE_CODES[dtype_of(block.dtype).name]
+    except (KeyError, UsageError):
+        return False
+    if core is None:
+        return False
+    heads, tokens, dim = block.shape
+    one = np.zeros(1, np.int64)
+    chunk = Chunks(one, np.array([block.nbytes]), one, one, np.ones(1, bool), np.array([tokens]), one, one)
+    status, _ = core.decode_rows(_native.byte_view(block), _jobs(chunk), one.astype("<i8").tobytes(),
+                                 offsets.astype("<i8").tobytes(), [target], code, heads, dim, False)
+    if status:
+        raise ChunkDecodeError("does not fit its destination", 0, "destination")
+    return True
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Chunks to decode, one array each field, in the order they lie in the source buffer."""
+
+    offset: np.ndarray  # in the source buffer
+    stored_len: np.ndarray
+    stored_xxh3: np.ndarray
+    raw_xxh3: np.ndarray
+    stored_raw: np.ndarray  # bool: the block's bytes as they are
+    block_tokens: np.ndarray
+    out_index: np.ndarray  # which destination tensor (or target)
+    block_start: np.ndarray  # the destination token of the block's first token; may be negative
+
+
+class ChunkDecodeError(DecodeError):
+    """A chunk of a batch failed: ``job`` is its position in the batch, ``reason`` one of
+    ``checksum``, ``destination`` or ``malformed``."""
+
+    def __init__(self, message: str, job: int, reason: str):
+        super().__init__(message)
+        self.job = job
+        self.reason = reason
+
+
+def _jobs(chunks: Chunks) -> bytes:
+    """The C core's job records (JOB_DTYPE) of ``chunks``."""
+    jobs = np.zeros(len(chunks.offset), _native.JOB_DTYPE)
+    jobs["offset"] = chunks.offset
+    jobs["stored_len"] = chunks.stored_len
+    jobs["stored_xxh3"] = chunks.stored_xxh3
+    jobs["raw_xxh3"] = chunks.raw_xxh3
+    jobs["out_index"] = chunks.out_index
+    jobs["flags"] = np.where(chunks.stored_raw, _native.JOB_STORED_RAW, 0)
+    jobs["block_tokens"] = chunks.block_tokens
+    jobs["block_start"] = chunks.block_start
+    return jobs.tobytes()

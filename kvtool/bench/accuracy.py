@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from kvtool.bench.matrix import machine
 from kvtool.cache import KVCache
-from kvtool.container import KvzReader, encode_cache
+from kvtool.kvz import KvzReader, encode_cache
 from kvtool.errors import UsageError
 from kvtool.paths import source_checkout
 from kvtool.recipe import DEFAULT_RECIPE, Recipe

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Sequence, cast
 from kvtool.bench import peers as peer_tools
 from kvtool.bench.bounds import entropy_limits
 from kvtool.cache import KVCache
-from kvtool.container import DEFAULT_CHUNK_TOKENS, KvzReader, encode_cache, write_cache
+from kvtool.kvz import DEFAULT_CHUNK_TOKENS, KvzReader, encode_cache, write_cache
 from kvtool.errors import KvtoolError, UnavailableError
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import bound_violation

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtool.bench.trace import Turn
 from kvtool.cache import KVCache
-from kvtool.container import decode_cache, encode_cache
+from kvtool.kvz import decode_cache, encode_cache
 from kvtool.recipe import DEFAULT_RECIPE
 from kvtool.store import PrefixKeyer, open_store
 from kvtool.store.base import Store

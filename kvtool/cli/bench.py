@@ -14,7 +14,7 @@ from kvtool.bench.matrix import run_bench
 from kvtool.bench.plot import plot, require_matplotlib
 from kvtool.bench.report import CSV_COLUMNS, column_decimals, csv_rows, headline, legend, limits_line, table_rows
 from kvtool.cli._common import JSON_OPTION, MAX_THREADS, Command, existing_file, format_table, print_json, progress
-from kvtool.container import DEFAULT_CHUNK_TOKENS
+from kvtool.kvz import DEFAULT_CHUNK_TOKENS
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.paths import source_checkout
 from kvtool.recipe import Recipe

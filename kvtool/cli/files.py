@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from kvtool import api, container
+from kvtool import api, kvz
 from kvtool.cache import FORMAT_TAG
 from kvtool.cli._common import JSON_OPTION, MAX_THREADS, REORDERED_TAG, Command, distinct_output, existing_file, print_json, print_result, progress
 from kvtool.cli.dicts import DICT_OPTION, use_dictionaries
@@ -23,6 +23,7 @@ from kvtool.codecs import get_codec, sniff_codec
 from kvtool.dtypes import register_numpy_types
 from kvtool.errors import DecodeError, UnavailableError, UsageError
 from kvtool.fileio import atomic_write
+from kvtool.kvz.extract import extract_safetensors
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.units import format_size, parse_size
 
@@ -35,6 +36,10 @@ MAX_SIZE_OPTION = typer.Option(
 )
 log = logging.getLogger("kvtool.cli.files")
 
+MAX_EXPANSION_OPTION = typer.Option(
+    kvz.DEFAULT_MAX_EXPANSION, "--max-expansion", min=1,
+    help="Refuse a token block that would decode to more than this many times its stored size, checked before decoding.",
+)
 #: More layer ids than any model has; a longer --layers list is a typo, not a request.
 MAX_LAYER_SELECTION = 1 << 16
 
@@ -47,7 +52,7 @@ def compress(
         help="Recipe for a KV cache, e.g. 'byteplane|zstd:1'; lossy only when it names a lossy stage, e.g. 'int:6,group=64|zstd:3'.",
     ),
     codec: Optional[str] = typer.Option(None, "--codec", "-c", help="Write one plain codec stream (ID[:LEVEL]) instead of a .kvz."),
-    chunk_tokens: int = typer.Option(container.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
+    chunk_tokens: int = typer.Option(kvz.DEFAULT_CHUNK_TOKENS, "--chunk-tokens", help="Tokens per chunk in a .kvz."),
     threads: int = THREADS_OPTION,
     pattern: Optional[str] = PATTERN_OPTION,
     json_out: bool = JSON_OPTION,
@@ -81,7 +86,7 @@ def compress(
     api.save(cache, dst, parsed, chunk_tokens=chunk_tokens, threads=threads or None, progress=True)
     log.info("wrote %s (%s)", dst, format_size(dst.stat().st_size))
     if parsed.lossy:
-        with container.open_kvz(dst) as reader:
+        with kvz.open_kvz(dst) as reader:
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
     _summary(src, dst, cache.nbytes / max(dst.stat().st_size, 1), {"recipe": parsed.spec()}, started, json_out)
 
@@ -95,6 +100,7 @@ def decompress(
     threads: int = THREADS_OPTION,
     max_size: str = MAX_SIZE_OPTION,
     dictionaries: Optional[List[Path]] = DICT_OPTION,
+    max_expansion: int = MAX_EXPANSION_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Decompress a .kvz back into a safetensors cache (bit-exact, or the approximation a lossy recipe stored), or a plain stream into its bytes."""
@@ -102,22 +108,22 @@ def decompress(
     started = time.perf_counter()
     distinct_output(existing_file(src), dst)
     limit = parse_size(max_size)
-    if container.is_kvz(src) and not codec:
+    if kvz.is_kvz(src) and not codec:
         use_dictionaries([src], dictionaries)
         selected_layers, selected_tokens = parse_layers(layers), parse_tokens(tokens)
-        with container.open_kvz(src, max_size=limit) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+        with kvz.open_kvz(src, max_size=limit, max_expansion=max_expansion) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
             check_token_range(selected_tokens, reader.num_tokens)
             log.info("decoding %s (recipe %s) into %s", src, reader.recipe.spec(), dst)
-            cache = reader.read(selected_layers, selected_tokens, threads or None, on_progress=bar.update)
-        if reader.lossy:  # the written cache keeps saying what it is
-            cache.provenance["lossy_recipe"] = reader.recipe.spec()
+            # the written cache keeps saying what it is
+            provenance = {**reader.provenance, "lossy_recipe": reader.recipe.spec()} if reader.lossy else None
+            written = extract_safetensors(reader, dst, selected_layers, selected_tokens, provenance, threads or None, bar.update)
+        if reader.lossy:
             typer.echo(f"kvtool: note: {lossy_note(reader)}", err=True)
-        cache.save(dst)
         if layers or tokens:  # a part of the file: its ratio says nothing
-            selection = {"layers": cache.layer_ids, "tokens": _token_text(selected_tokens, cache.num_tokens)}
+            selection = {"layers": written.layer_ids, "tokens": _token_text(selected_tokens, written.num_tokens)}
             _summary(src, dst, None, selection, started, json_out)
         else:
-            _summary(src, dst, cache.nbytes / max(src.stat().st_size, 1), {}, started, json_out)
+            _summary(src, dst, written.nbytes / max(src.stat().st_size, 1), {}, started, json_out)
         return
     if layers or tokens:
         raise UsageError("--layers and --tokens apply only to .kvz files")
@@ -136,13 +142,14 @@ def verify(
     full: bool = typer.Option(False, "--full", help="Also decode every chunk and check the decoded bytes."),
     max_size: str = MAX_SIZE_OPTION,
     dictionaries: Optional[List[Path]] = DICT_OPTION,
+    max_expansion: int = MAX_EXPANSION_OPTION,
     json_out: bool = JSON_OPTION,
 ):
     """Check a .kvz's header, index and every chunk checksum."""
     existing_file(src)
     use_dictionaries([src], dictionaries)
     log.info("reading the header and index of %s", src)
-    with container.open_kvz(src, max_size=parse_size(max_size)) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
+    with kvz.open_kvz(src, max_size=parse_size(max_size), max_expansion=max_expansion) as reader, progress(total=reader.sizes()["total"]["raw"], unit="B", unit_scale=True, desc=src.name, leave=False) as bar:
         log.info("%s: recipe %s, %d chunks; %s", src, reader.recipe.spec(), len(reader.index),
                  "checking every checksum, then decoding every chunk" if full else "checking every checksum")
         reader.verify(full=full, on_progress=bar.update)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import numpy as np
 import typer
 
-from kvtool import container, stats
+from kvtool import kvz, stats
 from kvtool.cache import KVCache
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, existing_file, print_json, print_table, safetensors_format
 from kvtool.errors import UsageError
@@ -37,8 +37,8 @@ KVZ_TYPE = "compressed cache (.kvz)"
 
 def file_report(path: Path, pattern: str | None) -> dict[str, Any]:
     """The report for a file, by its type: a .kvz container or a raw cache in safetensors."""
-    if container.is_kvz(path):
-        with container.open_kvz(path) as reader:
+    if kvz.is_kvz(path):
+        with kvz.open_kvz(path) as reader:
             return kvz_report(reader, path)
     if pattern is None and safetensors_format(path) == REORDERED_TAG:
         raise UsageError(
@@ -48,7 +48,7 @@ def file_report(path: Path, pattern: str | None) -> dict[str, Any]:
     return raw_cache_report(KVCache.load(path, pattern=pattern), path)
 
 
-def kvz_report(reader: container.KvzReader, path: Path) -> dict[str, Any]:
+def kvz_report(reader: kvz.KvzReader, path: Path) -> dict[str, Any]:
     """Facts of a .kvz and its compression ratio overall, per layer, per K/V and per plane (from the index alone)."""
     heads, tokens, dim = reader.tensors[0][2] if reader.tensors else (0, 0, 0)
     original = len(reader.tensors) * heads * tokens * dim * reader.dtype.itemsize
@@ -90,7 +90,7 @@ def _with_original_bytes(sizes: dict[str, Any], tensor_bytes: int) -> dict[str, 
     return sizes
 
 
-def lossy_summary(reader: container.KvzReader) -> dict[str, Any] | None:
+def lossy_summary(reader: kvz.KvzReader) -> dict[str, Any] | None:
     """A lossy .kvz's stage, and the error it measured when written: the largest, and per layer and K/V."""
     if reader.lossy is None:
         return None
@@ -103,7 +103,7 @@ def lossy_summary(reader: container.KvzReader) -> dict[str, Any] | None:
     }
 
 
-def lossy_note(reader: container.KvzReader) -> str:
+def lossy_note(reader: kvz.KvzReader) -> str:
     """One line on what a lossy .kvz holds, for the commands that read or write one."""
     summary = lossy_summary(reader)
     assert summary is not None, "lossy_note is for lossy files only"

@@ -69,6 +69,12 @@ class Layout(Component, abc.ABC):
     def inverse(self, planes: list[np.ndarray], inputs: list[PlaneSpec]) -> list[np.ndarray]:
         """Undo ``forward``: given its outputs and the specs of its inputs, return the inputs bit for bit."""
 
+    def inverse_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        """Undo ``forward`` for one input plane (``spec``) straight into ``out``, a C-contiguous array
+        of its shape and dtype: how a reader restores a block into its destination. Layouts that can
+        build their result in place override this; the default copies the inverse's result."""
+        np.copyto(out, self.inverse(planes, [spec])[0])
+
     def for_kind(self, kind: str) -> "Layout":
         """This layout as it applies to the keys (``"k"``) or the values (``"v"``) of a cache.
 
@@ -102,6 +108,10 @@ class PlaneWiseLayout(Layout):
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         """Rebuild one plane from its outputs, already checked against ``plan_plane``."""
 
+    def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        """``inverse_plane`` into ``out`` (C-contiguous, ``spec``'s shape and dtype); by default a copy of its result."""
+        np.copyto(out, self.inverse_plane(planes, spec))
+
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
         return [out for spec in inputs for out in self.plan_plane(spec)]
 
@@ -120,6 +130,10 @@ class PlaneWiseLayout(Layout):
             result.append(self.inverse_plane(planes[start : start + len(group)], spec))
             start += len(group)
         return result
+
+    def inverse_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        check_planes(self.layout_id, planes, self.plan_plane(spec))
+        self.inverse_plane_into(planes, spec, out)
 
 
 class TokenAxisLayout(PlaneWiseLayout):

@@ -40,8 +40,20 @@ class BytePlane(PlaneWiseLayout):
         if bits_type.itemsize == 1:
             return planes[0]
         bits = np.empty(spec.shape, bits_type)
+        self._join(planes, bits)
+        return bits.view(spec.dtype)
+
+    def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        bits_type = bits_dtype(self.layout_id, spec.dtype)
+        if bits_type.itemsize == 1:
+            np.copyto(out.view(np.uint8), planes[0])
+        else:
+            self._join(planes, out.view(bits_type))
+
+    @staticmethod
+    def _join(planes: list[np.ndarray], bits: np.ndarray) -> None:
+        """The byte planes, most significant first, put back together in ``bits``."""
         np.copyto(bits, planes[0])
         for plane in planes[1:]:
             bits <<= 8
             bits |= plane
-        return bits.view(spec.dtype)

@@ -54,6 +54,18 @@ class LayoutChain:
             planes = layout.inverse(planes, specs)
         return [np.ascontiguousarray(p) for p in planes]
 
+    def inverse_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        """``inverse`` of one input plane, its last stage writing straight into ``out`` (C-contiguous,
+        ``spec``'s shape and dtype): a reader's destination, with no result array and copy."""
+        stage_specs = self._stage_specs([spec])
+        check_planes(self.spec() or "token-major", planes, stage_specs[-1])
+        if not self.layouts:
+            np.copyto(out, planes[0])
+            return
+        for layout, specs in zip(reversed(self.layouts[1:]), reversed(stage_specs[1:-1])):
+            planes = layout.inverse(planes, specs)
+        self.layouts[0].inverse_into(planes, spec, out)
+
     def _stage_specs(self, inputs: list[PlaneSpec]) -> list[list[PlaneSpec]]:
         """The specs before each stage and after the last (remembered: a container asks per chunk)."""
         key = tuple(inputs)

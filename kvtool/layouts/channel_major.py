@@ -29,6 +29,13 @@ class ChannelMajor(PlaneWiseLayout):
         (plane,) = planes
         return swap_last_axes(plane) if plane.ndim >= 3 else plane
 
+    def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        (plane,) = planes
+        if plane.ndim >= 3:
+            swap_last_axes(plane, out)
+        else:
+            np.copyto(out, plane)
+
     def axis_after(self, axis: int) -> int:
         return {-1: -2, -2: -1}.get(axis, axis)
 
@@ -38,7 +45,7 @@ ONE_COPY_BYTES = 1 << 18
 TILE = 256
 
 
-def swap_last_axes(plane: np.ndarray) -> np.ndarray:
+def swap_last_axes(plane: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """A C-contiguous copy of ``plane`` with its last two axes swapped.
 
     One strided copy is fast while the plane fits in cache. Beyond that, walking
@@ -48,7 +55,7 @@ def swap_last_axes(plane: np.ndarray) -> np.ndarray:
     """
     bits = plane.view(f"u{plane.itemsize}")  # plain integer copies, whatever the float type
     rows, cols = bits.shape[-2:]
-    out = np.empty((*bits.shape[:-2], cols, rows), bits.dtype)
+    out = np.empty((*bits.shape[:-2], cols, rows), bits.dtype) if out is None else out.view(bits.dtype)
     if bits.nbytes <= ONE_COPY_BYTES:
         np.copyto(out, bits.swapaxes(-1, -2))
     elif rows >= cols:

@@ -143,21 +143,25 @@ class IntQuant(LossyLayout):
         return [_pack(self._ungrouped(codes.astype(np.uint8), tokens, dim), self.bits), scales]
 
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
-        restored = self._native_inverse(planes, spec)
-        return restored if restored is not None else self.reference_inverse(planes, spec)
+        out = np.empty(spec.shape, spec.dtype)
+        return out if self._native_inverse(planes, spec, out) else self.reference_inverse(planes, spec)
 
-    def _native_inverse(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray | None:
-        """The C core's inverse, the same bits as ``reference_inverse``; None where it is off or declines (non-finite scales)."""
+    def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        if not self._native_inverse(planes, spec, out):
+            np.copyto(out, self.reference_inverse(planes, spec))
+
+    def _native_inverse(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> bool:
+        """The C core's inverse into ``out`` (C-contiguous), the same bits as ``reference_inverse``; False where
+        it is off or declines (non-finite scales)."""
         core = _native.core()
         name = NATIVE_DTYPES.get(np.dtype(spec.dtype))
         if core is None or name is None:
-            return None
+            return False
         heads, tokens, dim = spec.shape
-        out = np.empty(spec.shape, spec.dtype)
         scales = np.ascontiguousarray(planes[1]).view(np.uint16)
         status = core.int_dequant(np.ascontiguousarray(planes[0]), scales, _native.byte_view(out), _native.DTYPE_CODES[name],
                                   heads, tokens, dim, self.bits, self.axis == "channel", self.group, scales.shape[1])
-        return out if status == 0 else None
+        return status == 0
 
     def reference_inverse(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         """The numpy inverse: the definition the C core matches."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvtool.container import END_MAGIC, INDEX_DTYPE, MAGIC, PREAMBLE, TRAILER, VERSION
+from kvtool.kvz.format import END_MAGIC, INDEX_DTYPE, MAGIC, PREAMBLE, TRAILER, VERSION
 
 
 @dataclass(frozen=True)

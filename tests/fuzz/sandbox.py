@@ -161,7 +161,7 @@ def _run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def _read_case(path: Path, max_size: int) -> dict[str, Any]:
     """Every way of reading the file, each on its own: ``read`` first, as ``kvtool.load`` and vLLM do."""
-    from kvtool.container import KvzReader, open_kvz
+    from kvtool.kvz import KvzReader, open_kvz
 
     outcomes: dict[str, Any] = {}
     started = time.process_time()
@@ -243,7 +243,7 @@ def digest(cache) -> str:
 def _agrees_with_checksums(cache, recipe, chunk_tokens: int, index) -> bool:
     """Whether the decoded cache, cut again into the file's planes, has the raw lengths and hashes the file records."""
     from kvtool.codecs import get_codec
-    from kvtool.container import KvzReader, encode_cache
+    from kvtool.kvz import KvzReader, encode_cache
     from kvtool.recipe import Recipe
 
     # Raw checksums come before any codec: the file's own codec (and its encoder settings) are not needed.

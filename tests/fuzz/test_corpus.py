@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from limits import MAX_SIZE, assert_bounded, sandbox  # noqa: F401 - sandbox is a fixture
-from kvtool.container import DEFAULT_MAX_SIZE
+from kvtool.kvz import DEFAULT_MAX_SIZE
 
 HERE = Path(__file__).parent
 MANIFEST = json.loads((HERE / "corpus.json").read_text())
@@ -31,7 +31,7 @@ def test_a_claim_beyond_the_default_limit_is_refused_before_allocating(sandbox):
     """1 TiB per tensor in 8 GiB chunks: under the 16 GiB default each chunk passes, the read does not."""
     report = sandbox.run({"op": "read", "path": str(HERE / "corpus" / "claims-1TiB.kvz"), "max_size": DEFAULT_MAX_SIZE})
     assert_bounded(report)
-    assert report["type"] == "OutputTooLargeError" and "over the limit" in report["message"], report
+    assert report["type"] == "KvzTooLargeError" and "over the limit" in report["message"], report
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))

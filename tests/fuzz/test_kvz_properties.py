@@ -28,7 +28,8 @@ from limits import MAX_SIZE, assert_bounded, sandbox  # noqa: F401 - sandbox is 
 from forge import Parts, Raw, assemble, dissect
 from sandbox import digest
 from kvtool.cache import KVCache
-from kvtool.container import FLAG_STORED_RAW, INDEX_DTYPE, encode_cache
+from kvtool.kvz import encode_cache
+from kvtool.kvz.format import FLAG_STORED_RAW, INDEX_DTYPE
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "code.safetensors"
 RECIPES = ["exphuff", "byteplane|zstd:1", "channel-major|bf16-split|zlib:1,mant=none", "xor-delta|byteplane|lz4", "none"]

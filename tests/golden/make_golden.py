@@ -16,7 +16,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvtool import container
+from kvtool import kvz
 from kvtool.cache import KVCache
 from kvtool.store.entry import wrap
 from kvtool.store.keys import prefix_keys
@@ -88,10 +88,10 @@ if __name__ == "__main__":
         path = HERE / f"v1-{name.replace(':', '')}.kvz"
         if path.exists():
             continue  # a golden file is written once; the tests read old files, not new ones
-        size = container.save(cache, path, recipe, chunk_tokens=chunk_tokens(name), threads=1)
+        size = kvz.save(cache, path, recipe, chunk_tokens=chunk_tokens(name), threads=1)
         print(f"{path.name}: {recipe}, {size} bytes")
     digests = json.loads(LOSSY_DIGESTS.read_text()) if LOSSY_DIGESTS.exists() else {}
     for name in LOSSY_RECIPES.keys() - digests.keys():
-        with container.open_kvz(HERE / f"v1-{name}.kvz") as reader:
+        with kvz.open_kvz(HERE / f"v1-{name}.kvz") as reader:
             digests[name] = decoded_digests(reader.read())
     LOSSY_DIGESTS.write_text(json.dumps(dict(sorted(digests.items())), indent=1) + "\n")

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: create its envir
 
 from test_vllm_e2e import PROMPT, SUFFIX, model, restored_tokens, run_vllm  # noqa: E402,F401 (model: a fixture)
 
-from kvtool.container import KvzReader  # noqa: E402
+from kvtool.kvz import KvzReader  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
 #: A recipe at about 2.5x that BENCHMARKS.md measures (section "Lossy recipes").

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvtool.cache import KVCache, ModelFacts
-from kvtool.container import KvzReader, encode_cache
+from kvtool.kvz import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes

@@ -17,7 +17,7 @@ import logging
 import numpy as np
 
 from kvtool.cache import KVCache
-from kvtool.container import KvzReader, encode_cache
+from kvtool.kvz import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
 from kvtool.integrations.vllm_offload.rows import RowLayout
 from kvtool.store import Store
