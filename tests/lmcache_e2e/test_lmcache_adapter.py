@@ -20,41 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("lmcache", reason="LMCache is not installed here: create its environment with "
                                       "benchmarks/vs_lmcache/lmcache-env.sh")
-import torch  # noqa: E402  (LMCache's dependency)
+from chunk_objects import empty_like, kv_chunk, memory_obj  # noqa: E402  (beside this file)
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
-import kvtool  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def kv_chunk(sample: str, tokens: int = 256) -> torch.Tensor:
-    """A sample cache as LMCache's ``KV_2LTD`` chunk: ``[2, layers, tokens, heads * head_dim]`` bf16."""
-    cache = kvtool.load(ROOT / "samples" / sample, tokens=slice(0, tokens))
-    k = np.stack([a.transpose(1, 0, 2).reshape(tokens, -1) for a in cache.keys])
-    v = np.stack([a.transpose(1, 0, 2).reshape(tokens, -1) for a in cache.values])
-    return torch.from_numpy(np.stack([k, v]).view(np.uint16).astype(np.int16)).view(torch.bfloat16).clone()
-
-
-def memory_obj(tensor: torch.Tensor) -> TensorMemoryObj:
-    flat = tensor.contiguous().view(-1).view(torch.uint8)
-    meta = MemoryObjMetadata(shape=tensor.shape, dtype=tensor.dtype, address=0, phy_size=flat.numel(),
-                             fmt=MemoryFormat.KV_2LTD, ref_count=1)
-    return TensorMemoryObj(raw_data=flat, metadata=meta, parent_allocator=None)
-
-
-def empty_like(obj: TensorMemoryObj) -> TensorMemoryObj:
-    return memory_obj(torch.full(obj.get_shape(), 7.0, dtype=obj.get_dtype()))
 
 
 def key(n: int, salt: str = "", rank: int = 0) -> ObjectKey:
@@ -123,7 +101,7 @@ def test_round_trip_is_bit_exact_and_compressed(tmp_path, chunks):
         for out, chunk in zip(outs, chunks):
             assert bytes(out.byte_array) == bytes(chunk.byte_array)
         counters = adapter.report_status()["counters"]
-        assert counters["chunks_stored"] == 2 and counters["chunks_loaded"] == 2
+        assert counters["chunks_stored|kv"] == 2 and counters["chunks_loaded"] == 2
         assert counters["stored_raw_bytes"] == raw and counters["loaded_raw_bytes"] == raw
         usage = adapter.get_usage()
         assert usage.total_bytes_used == result.bytes_transferred() and dict(usage.bytes_by_cache_salt) == {

@@ -115,6 +115,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
         self._done_lookups: dict[L2TaskId, Bitmap] = {}
         self._done_loads: dict[L2TaskId, Bitmap] = {}
         self._closed = False
+        self._warned_bytes = False
         log.info("kvtool L2 adapter: store %s, recipe %s, %d workers", self._store.describe(), self.recipe,
                  settings.workers)
 
@@ -234,6 +235,12 @@ class KvtoolL2Adapter(L2AdapterInterface):
                 self.counters.add("chunks_already_stored")
                 return True, 0
             layout = layout_of(obj)
+            if layout.kind == "bytes" and not self._warned_bytes:
+                self._warned_bytes = True
+                meta = obj.metadata
+                log.warning("kvtool L2 adapter: chunks shaped %s (%s) are not one KV tensor [2, layers, tokens, "
+                            "hidden] of a float type; they are kept as bytes, at a lower ratio",
+                            [list(s) for s in (meta.shapes or [meta.shape])], meta.dtypes or [meta.dtype])
             blob = encode_chunk(np.frombuffer(obj.byte_array, np.uint8), layout, self.recipe, key.model_name)
             if not self._store.put(name.key, blob, name.meta(layout.tokens, layout.nbytes)):
                 self.counters.add("store_failures", label="refused")
@@ -243,7 +250,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             self.counters.add("store_failures", label="encode")
             return False, 0
         self._index.add(key, name.key, len(blob))
-        self.counters.add("chunks_stored")
+        self.counters.add("chunks_stored", label=layout.kind)
         self.counters.add("stored_raw_bytes", layout.nbytes)
         self.counters.add("stored_bytes", len(blob))
         self.counters.add("store_cpu_seconds", time.thread_time() - cpu)

@@ -2,16 +2,19 @@
 
 LMCache's multi-process server hands its L2 adapters one object per chunk of
 ``--chunk-size`` tokens. For a model with ordinary attention the object holds
-one tensor ``[2, layers, tokens, hidden]`` (K then V of every layer, ``hidden``
-= KV heads x head dim, LMCache's ``KV_2LTD``). kvtool stores that as a cache of
-``layers`` layers whose K and V are ``[1, tokens, hidden]`` views of the
-object's own bytes: one channel per element of ``hidden``, exactly the channels
-kvtool's recipes and model dictionaries model, with no copy on the way in.
+one tensor ``[kv, layers, tokens, hidden]``: on a GPU ``kv`` = 2 (K then V of
+every layer, ``hidden`` = KV heads x head dim, LMCache's ``KV_2LTD``); from
+vLLM's CPU build ``kv`` = 1 and each token's ``hidden`` holds K and V of every
+head together. Either way the object is ``kv x layers`` blocks of
+``[tokens, hidden]``, and kvtool stores block ``j`` and block ``j + n/2`` as K
+and V of layer ``j`` (for ``kv`` = 2 exactly K and V of each layer), each a
+``[1, tokens, hidden]`` view of the object's own bytes: one channel per element
+of ``hidden``, the channels kvtool's recipes model, with no copy on the way in.
 
-Any other object (several kernel groups, MLA latents, a dtype kvtool does not
-code, LMCache's benchmark payloads) is kept as its bytes: a one-layer cache of
-1-byte elements whose first half is K and second half V. It round-trips bit for
-bit with every lossless recipe; only the ratio is lower.
+Any other object (several kernel groups, an odd number of blocks, a dtype kvtool
+does not code, LMCache's benchmark payloads) is kept as its bytes: a one-layer
+cache of 1-byte elements whose first half is K and second half V. It
+round-trips bit for bit with every lossless recipe; only the ratio is lower.
 
 A load decodes straight into the destination object: ``rows()`` gives the byte
 offset of every (tensor, token) row in it, for ``KvzReader.read_rows``.
@@ -38,9 +41,10 @@ MAX_BYTES_ROW = 4096
 
 @dataclass(frozen=True)
 class ChunkLayout:
-    """What an object's bytes hold: ``layers`` x (K, V) of ``[tokens, width]`` elements of ``dtype``, K block first."""
+    """What an object's bytes hold: ``2 x layers`` blocks of ``[tokens, width]`` elements of ``dtype``; K of layer
+    ``j`` is block ``j``, V block ``layers + j``."""
 
-    kind: str  # "kv" (a KV_2LTD tensor) or "bytes"
+    kind: str  # "kv" (K and V blocks), "blocks" (blocks paired as K and V) or "bytes"
     dtype: str  # kvtool's dtype name
     layers: int
     tokens: int
@@ -56,9 +60,10 @@ class ChunkLayout:
                 dtype = dtype_of(name)
             except UsageError:
                 dtype = None
-            if dtype is not None and kv == 2 and min(layers, tokens, width) > 0 \
-                    and 2 * layers * tokens * width * dtype.itemsize == nbytes:
-                return cls("kv", dtype.name, layers, tokens, width)
+            blocks = kv * layers
+            if dtype is not None and blocks % 2 == 0 and min(blocks, tokens, width) > 0 \
+                    and blocks * tokens * width * dtype.itemsize == nbytes:
+                return cls("kv" if kv == 2 else "blocks", dtype.name, blocks // 2, tokens, width)
         if nbytes <= 0 or nbytes % 2:
             raise UsageError(f"cannot keep an object of {nbytes} bytes (an even size is needed)")
         half = nbytes // 2
