@@ -9,7 +9,8 @@ answers, and that output is the reference. With vLLM's prefix cache reset and
 LMCache's L1 cleared, the prompt again must restore its chunks from the kvtool
 tier (the adapter's counters in LMCache's ``/status`` say so) with the same
 output. The LMCache server is then killed (SIGKILL) and started again on the
-same store: the chunks are found again and served. Another ``cache_salt``
+same store, and vLLM with it (its connector registers with the server only
+when it starts): the chunks are found again and served. Another ``cache_salt``
 restores nothing. Greedy decoding, 8 tokens.
 """
 
@@ -118,7 +119,7 @@ class LMCacheServer:
 class VllmServer:
     def __init__(self, model: Path, lmcache: LMCacheServer, workdir: Path, env: dict) -> None:
         self.port = free_port()
-        self.log = workdir / "vllm.log"
+        self.log = workdir / f"vllm-{free_port()}.log"
         transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": lmcache.port,
                                                   "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}
@@ -177,11 +178,15 @@ def test_chunks_come_back_from_the_kvtool_tier(model, tmp_path):
         assert not any(k.startswith("load_failures") for k in after), after
         assert after["stored_bytes"] * 1.3 < after["stored_raw_bytes"], after  # compressed, losslessly (same output)
 
-        stop(lmcache.proc)  # SIGKILL: L1 is gone with the process, the file tier stays
+        # SIGKILL: L1 is gone with the process, the file tier stays. vLLM's connector registers its KV cache
+        # with the server only when vLLM starts (LMCache 0.5.6), so vLLM starts again too.
+        stop(lmcache.proc)
+        stop(vllm.proc)
         lmcache.start()
         started.append(lmcache.proc)
         assert lmcache.counters()["chunks_reindexed"] >= chunks
-        vllm.reset_prefix_cache()
+        vllm = VllmServer(model, lmcache, tmp_path, env)
+        started.append(vllm.proc)
         again, _, cached = vllm.complete(prompt)
         counters = lmcache.counters()
         assert again == reference and cached >= chunks * CHUNK
