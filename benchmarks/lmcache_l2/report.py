@@ -33,24 +33,45 @@ def chunk_table(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, dict[s
     return lines, medians
 
 
-def trace_table(runs: list[dict[str, Any]]) -> tuple[list[str], dict[tuple[str, int], dict[str, Any]]]:
+def _stored_chunks(run: dict[str, Any]) -> int | None:
+    """Chunks the adapter has stored so far (kvtool counts them; the fs adapter's come from its bytes)."""
+    counters = (run["l2_adapters"] or [{}])[0].get("counters") or {}
+    stored = [v for k, v in counters.items() if k.startswith("chunks_stored")]
+    return int(sum(stored)) if stored else None
+
+
+def trace_table(runs: list[dict[str, Any]], chunks_per_session: int) -> tuple[list[str], dict[tuple[str, int], dict[str, Any]]]:
+    """One row per config and concurrency. L2 bytes per session: bytes per chunk the phase stored (a config's phases
+    share one server and store, so a phase's share is what it added), times the chunks of a session's last turn
+    (LMCache stores fewer chunks when its small L1 is full, and not the same number for both adapters)."""
     reference = {(r["concurrency"], q["turn"], q["session"]): q["output"]
                  for r in runs if r["config"] == "vllm-prefix" for q in r["requests"]}
+    counted = [r for r in runs if _stored_chunks(r)]
+    raw_chunk = (counted[0]["l2_adapters"][0]["counters"]["stored_raw_bytes"] / _stored_chunks(counted[0])
+                 if counted else None)
     cells: dict[tuple[str, int], dict[str, Any]] = {}
-    lines = [("| config | concurrency | requests | TTFT p50 s | tokens restored | L2 bytes per session | "
-              "outputs = vLLM prefix cache |"), "|---|---|---|---|---|---|---|"]
+    held: dict[str, tuple[float, float]] = {}
+    lines = [("| config | concurrency | requests | TTFT p50 s | tokens restored | L2 chunks stored | L2 bytes per "
+              f"session ({chunks_per_session} chunks) | outputs = vLLM prefix cache |"), "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         requests = run["requests"]
         restored = [q for q in requests if q["cached_tokens"] > 0]
         same = [q for q in restored if reference.get((run["concurrency"], q["turn"], q["session"])) == q["output"]]
-        per_session = run["l2_disk_bytes"] / run["sessions"] if run["l2_disk_bytes"] is not None else None
+        per_session = stored = None
+        if run["l2_disk_bytes"] is not None and raw_chunk:
+            total_chunks = _stored_chunks(run) or round(run["l2_disk_bytes"] / raw_chunk)
+            bytes_before, chunks_before = held.get(run["config"], (0, 0))
+            stored = total_chunks - chunks_before
+            if stored:
+                per_session = (run["l2_disk_bytes"] - bytes_before) / stored * chunks_per_session
+            held[run["config"]] = (run["l2_disk_bytes"], total_chunks)
         cell = {"ttft_p50": statistics.median(q["ttft_s"] for q in requests), "per_session": per_session,
                 "restored": sum(q["cached_tokens"] for q in restored), "same": len(same), "of": len(restored)}
         cells[(run["config"], run["concurrency"])] = cell
         shown = "-" if per_session is None else f"{per_session / 2**20:.1f} MiB"
         check = "(reference)" if run["config"] == "vllm-prefix" else f"{len(same)} of {len(restored)} restored"
         lines.append(f"| {run['config']} | {run['concurrency']} | {len(requests)} | {cell['ttft_p50']:.3f} | "
-                     f"{cell['restored']} | {shown} | {check} |")
+                     f"{cell['restored']} | {'-' if stored is None else stored} | {shown} | {check} |")
     return lines, cells
 
 
@@ -68,7 +89,7 @@ def targets(chunks: dict[str, dict[str, float]], cells: dict[tuple[str, int], di
             continue
         if k["per_session"] and f["per_session"]:
             ratio = f["per_session"] / k["per_session"]
-            out.append(_target(f"L2 bytes per session >= 1.45x fewer (c={concurrency})", ratio >= 1.45, f"{ratio:.2f}x"))
+            out.append(_target(f"L2 bytes per session >= 1.45x fewer (c={concurrency})", ratio >= 1.45, f"{ratio:.3f}x"))
         out.append(_target(f"TTFT p50 <= fs (c={concurrency})", k["ttft_p50"] <= f["ttft_p50"],
                            f"{k['ttft_p50']:.3f} vs {f['ttft_p50']:.3f} s"))
         out.append(_target(f"outputs = vLLM's prefix cache on every restored request (c={concurrency})",
@@ -85,7 +106,8 @@ def main() -> None:
     p.add_argument("results", type=Path)
     data = json.loads(p.parse_args().results.read_text())
     chunk_lines, chunks = chunk_table(data.get("chunks", []))
-    trace_lines, cells = trace_table(data.get("trace", []))
+    chunks_per_session = data["settings"]["context"] // data["settings"].get("chunk_tokens", 256)
+    trace_lines, cells = trace_table(data.get("trace", []), chunks_per_session)
     print("\n".join([*chunk_lines, "", *trace_lines, "", *targets(chunks, cells)]))
 
 
