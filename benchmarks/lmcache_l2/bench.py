@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "vs_lmcache"))
 import bench as vs  # noqa: E402  (the LMCache comparison's servers, trace and client)
 
+#: What the results keep of each adapter's status (the rest names this machine's folders).
+KEPT_STATUS = ("type", "recipe", "workers", "counters", "is_healthy")
 KVTOOL = {"type": "plugin", "module_path": "kvtool.integrations.lmcache", "class_name": "KvtoolL2Adapter"}
 
 
@@ -166,7 +168,8 @@ async def trace_part(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
                     status = json.loads(vs_get(f"http://127.0.0.1:{servers['http_port']}/status"))
                 runs.append({"config": config, "concurrency": concurrency, "sessions": phase.sessions,
                              "requests": rows, "l2_disk_bytes": disk_bytes(servers["l2_path"]) if servers["l2_path"] else None,
-                             "l2_adapters": status["storage_manager"]["l2_adapters"] if status else None})
+                             "l2_adapters": [{k: a[k] for k in KEPT_STATUS if k in a}
+                                             for a in status["storage_manager"]["l2_adapters"]] if status else None})
                 ttfts = sorted(r["ttft_s"] for r in rows)
                 print(f"trace {config} c={concurrency}: TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, restored "
                       f"{sum(r['cached_tokens'] for r in rows)} tokens", file=sys.stderr, flush=True)
