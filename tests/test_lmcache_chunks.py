@@ -1,0 +1,119 @@
+"""The LMCache adapter's pure parts, without LMCache: how a chunk becomes a cache and comes back, keys, options.
+
+The adapter itself runs against LMCache's real classes in tests/lmcache_e2e.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvtool
+from kvtool.errors import UsageError
+from kvtool.integrations.lmcache.chunks import ChunkLayout
+from kvtool.integrations.lmcache.codec import LayoutMismatch, decode_chunk_into, encode_chunk
+from kvtool.integrations.lmcache.naming import ChunkName
+from kvtool.integrations.lmcache.settings import AdapterSettings
+
+
+def lmcache_chunk(sample: str, kv: int = 2) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+    """A real sample as LMCache's chunk bytes: ``[2, layers, tokens, heads*dim]``, or ``kv`` = 1 with K|V per token."""
+    cache = kvtool.load(f"samples/{sample}")
+    k = np.stack([a.transpose(1, 0, 2).reshape(cache.num_tokens, -1) for a in cache.keys])
+    v = np.stack([a.transpose(1, 0, 2).reshape(cache.num_tokens, -1) for a in cache.values])
+    if kv == 2:
+        array = np.stack([k, v])
+    else:  # vLLM's CPU build: each token's row holds K and V of every head
+        array = np.concatenate([k, v], axis=2)[None]
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8), [array.shape]
+
+
+@pytest.mark.parametrize("sample", ["code.safetensors", "prose.safetensors"])
+@pytest.mark.parametrize("kv", [2, 1])
+@pytest.mark.parametrize("recipe", ["exphuff", "zstd:3", "none"])
+def test_a_chunk_comes_back_bit_for_bit(sample, kv, recipe):
+    data, shapes = lmcache_chunk(sample, kv)
+    layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
+    assert layout.kind == ("kv" if kv == 2 else "blocks") and layout.nbytes == data.nbytes
+    blob = encode_chunk(data, layout, recipe, "m")
+    out = np.full_like(data, 0xA5)
+    decode_chunk_into(memoryview(blob), layout, out)
+    assert out.tobytes() == data.tobytes()
+    if recipe == "exphuff":
+        assert len(blob) * 1.3 < data.nbytes  # real KV, channels lined up: the default recipe's ratio
+
+
+def test_k_and_v_of_a_layer_are_that_layers_k_and_v():
+    data, shapes = lmcache_chunk("code.safetensors")
+    layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
+    cache = layout.cache(data, "m")
+    sample = kvtool.load("samples/code.safetensors")
+    for layer in (0, 17):
+        for mine, theirs in ((cache.keys[layer], sample.keys[layer]), (cache.values[layer], sample.values[layer])):
+            assert mine.tobytes() == np.ascontiguousarray(theirs.transpose(1, 0, 2)).tobytes()
+
+
+def test_rows_cover_every_byte_once():
+    layout = ChunkLayout("kv", "bf16", 3, 5, 4)
+    rows = layout.rows().reshape(-1)
+    assert sorted(rows.tolist()) == list(range(0, layout.nbytes, 8))
+
+
+@pytest.mark.parametrize("shapes,dtypes,nbytes", [
+    ([(262144,)], ["torch.uint8"], 262144),  # LMCache's benchmark payload
+    ([(1, 3, 16, 8)], ["torch.bfloat16"], 3 * 16 * 8 * 2),  # an odd number of blocks
+    ([(2, 2, 16, 8), (2, 2, 16, 8)], ["torch.bfloat16"] * 2, 2 * 2 * 2 * 16 * 8 * 2),  # two kernel groups
+    ([(2, 2, 16, 8)], ["torch.int8"], 2 * 2 * 16 * 8),  # a dtype kvtool does not code
+])
+def test_anything_else_is_kept_as_bytes(shapes, dtypes, nbytes):
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    layout = ChunkLayout.of(shapes, dtypes, nbytes)
+    assert layout.kind == "bytes" and layout.nbytes == nbytes
+    out = np.zeros_like(data)
+    decode_chunk_into(memoryview(encode_chunk(data, layout, "exphuff", "m")), layout, out)
+    assert out.tobytes() == data.tobytes()
+
+
+def test_odd_sizes_are_refused():
+    with pytest.raises(UsageError):
+        ChunkLayout.of([(7,)], ["torch.uint8"], 7)
+
+
+def test_another_layout_is_a_mismatch_and_damage_is_an_error():
+    data, shapes = lmcache_chunk("prose.safetensors")
+    layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
+    blob = bytearray(encode_chunk(data, layout, "exphuff", "m"))
+    half = ChunkLayout(layout.kind, layout.dtype, layout.layers, layout.tokens // 2, layout.width)
+    with pytest.raises(LayoutMismatch):
+        decode_chunk_into(memoryview(bytes(blob)), half, np.zeros(half.nbytes, np.uint8))
+    blob[len(blob) // 2] ^= 1
+    with pytest.raises(kvtool.errors.KvtoolError):
+        decode_chunk_into(memoryview(bytes(blob)), layout, np.zeros_like(data))
+
+
+def test_every_field_of_the_key_and_the_recipe_name_another_entry():
+    base = ChunkName(b"\x01" * 16, "org/model", 0, 0, "", "exphuff")
+    others = [ChunkName(b"\x02" * 16, "org/model", 0, 0, "", "exphuff"), ChunkName(b"\x01" * 16, "org/other", 0, 0, "", "exphuff"),
+              ChunkName(b"\x01" * 16, "org/model", 1, 0, "", "exphuff"), ChunkName(b"\x01" * 16, "org/model", 0, 1, "", "exphuff"),
+              ChunkName(b"\x01" * 16, "org/model", 0, 0, "tenant", "exphuff"),
+              ChunkName(b"\x01" * 16, "org/model", 0, 0, "", "int:4,group=64|zstd:3")]
+    assert len({base.key, *(o.key for o in others)}) == 7
+
+
+def test_a_name_comes_back_from_its_metadata_only_under_its_own_key():
+    name = ChunkName(b"\x07" * 32, "org/model", 3, 1, "tenant-a", "exphuff")
+    meta = name.meta(256, 1000)
+    assert ChunkName.from_meta(name.key, meta) == name
+    assert ChunkName.from_meta(ChunkName(b"\x08" * 32, "org/model", 3, 1, "tenant-a", "exphuff").key, meta) is None
+    tampered = {**meta, "lmcache": {**meta["lmcache"], "salt": "tenant-b"}}
+    assert ChunkName.from_meta(name.key, tampered) is None
+    assert ChunkName.from_meta(name.key, {"lmcache": {**meta["lmcache"], "kv_rank": "3"}}) is None
+
+
+def test_settings():
+    assert AdapterSettings.from_params({"store": "memory://"}) == AdapterSettings("memory://")
+    assert AdapterSettings.from_params({"store": "memory://", "recipe": "zstd:3", "workers": 4}).workers == 4
+    for params in ({}, {"store": ""}, {"store": "memory://", "recipe": 3}, {"store": "memory://", "workers": True},
+                   {"store": "memory://", "dictionary": "missing.kvd"}, {"store": "memory://", "colour": "red"}):
+        with pytest.raises(UsageError):
+            AdapterSettings.from_params(params)
