@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 
+#: The largest layer id a cache (and a .kvz) may hold.
+MAX_LAYER_ID = (1 << 31) - 1
+
+
 @dataclass
 class KVCache:
     """Keys and values of a run of consecutive layers over a run of consecutive tokens."""
@@ -91,6 +95,11 @@ class KVCache:
     def validate(self) -> None:
         if len(self.keys) != len(self.values) or len(self.layer_ids) != len(self.keys):
             raise UsageError("a KV cache needs one key and one value tensor per layer")
+        for layer in self.layer_ids:  # the .kvz reader's bound too: nothing is made that kvtool cannot read back
+            if type(layer) is not int or not 0 <= layer <= MAX_LAYER_ID:
+                raise UsageError(f"a layer id must be an integer in 0..{MAX_LAYER_ID}, not {str(layer)[:40]}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise UsageError(f"a layer id appears twice in {self.layer_ids[:16]}")
         shapes = {a.shape for a in self.keys + self.values}
         dtypes = {a.dtype for a in self.keys + self.values}
         if len(dtypes) > 1:

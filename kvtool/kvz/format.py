@@ -32,7 +32,6 @@ FLAG_STORED_RAW = 1
 #: Bounds a reader checks before it computes with a header's numbers.
 MAX_TOKENS = (1 << 32) - 1  # an index record holds token positions as u32
 MAX_TOKEN_START = (1 << 63) - 1
-MAX_LAYER_ID = (1 << 31) - 1
 MAX_ROW_BYTES = 1 << 30  # heads x head_dim x itemsize of one token of one tensor
 MAX_JSON_DEPTH = 32
 #: What a reader decodes at most unless told otherwise (``max_size``; CLI ``--max-size``).

@@ -20,8 +20,9 @@ import xxhash
 from kvtool.dtypes import DType, dtype_of
 from kvtool.errors import DecodeError, KvtoolError
 from kvtool.facts import AXES, ModelFacts
+from kvtool.cache import MAX_LAYER_ID
 from kvtool.kvz.format import (
-    END_MAGIC, FLAG_STORED_RAW, INDEX_DTYPE, MAGIC, MAX_CHUNK_TOKENS, MAX_HEADER, MAX_JSON_DEPTH, MAX_LAYER_ID,
+    END_MAGIC, FLAG_STORED_RAW, INDEX_DTYPE, MAGIC, MAX_CHUNK_TOKENS, MAX_HEADER, MAX_JSON_DEPTH,
     MAX_ROW_BYTES, MAX_TOKEN_START, MAX_TOKENS, PREAMBLE, TRAILER, VERSION, KvzCorruptError, KvzError, KvzFormatError,
     trailer_hash,
 )
@@ -226,6 +227,16 @@ def _header_json(data: bytes, name: str) -> dict[str, Any]:
     return header
 
 
+def shape_problem(heads: int, dim: int, itemsize: int) -> str | None:
+    """What is wrong with a cache's ``[heads, ., dim]`` for a .kvz, or None: the one check the
+    writer (before it writes) and the reader (before it decodes) both make."""
+    if heads < 1 or dim < 1:
+        return f"a cache needs at least one head and a head_dim of at least 1, not {heads} heads of {dim}"
+    if heads * dim * itemsize > MAX_ROW_BYTES:
+        return "tensor rows are implausibly large"
+    return None
+
+
 def _manifest(name: str, tensors: tuple[Tensor, ...], dtype: DType) -> tuple[int, int, int, tuple[int, ...]]:
     """``(heads, tokens, dim, layer ids)`` of a manifest listing K then V of each layer, all of one shape."""
     if not tensors:
@@ -234,8 +245,9 @@ def _manifest(name: str, tensors: tuple[Tensor, ...], dtype: DType) -> tuple[int
     if len(shapes) != 1:
         _fail(KvzFormatError, name, f"tensor shapes must be one shared [heads, tokens, dim], found {len(shapes)} different ones")
     heads, num_tokens, dim = next(iter(shapes))
-    if heads * dim * dtype.itemsize > MAX_ROW_BYTES:
-        _fail(KvzFormatError, name, "tensor rows are implausibly large")
+    problem = shape_problem(heads, dim, dtype.itemsize)
+    if problem:
+        _fail(KvzFormatError, name, problem)
     layer_ids = tuple(layer for layer, kind, _ in tensors if kind == "k")
     if [kind for _, kind, _ in tensors] != ["k", "v"] * len(layer_ids) or tuple(t[0] for t in tensors[1::2]) != layer_ids:
         _fail(KvzFormatError, name, "the tensor manifest must list K then V for each layer")

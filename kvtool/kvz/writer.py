@@ -28,7 +28,7 @@ from kvtool.kvz.format import (
     DEFAULT_CHUNK_TOKENS, FLAG_STORED_RAW, INDEX_DTYPE, MAGIC, MAX_CHUNK_TOKENS, MAX_HEADER, MAX_JSON_DEPTH, PREAMBLE,
     TRAILER, VERSION, END_MAGIC, trailer_hash,
 )
-from kvtool.kvz.header import json_depth
+from kvtool.kvz.header import json_depth, shape_problem
 from kvtool.kvz.pipeline import map_bounded
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import ErrorTally
@@ -68,6 +68,10 @@ def write_cache(
         raise UsageError("user metadata must map strings to strings")
     tensors = list(cache.tensors())
     if tensors:
+        heads, _, dim = tensors[0][2].shape
+        problem = shape_problem(heads, dim, tensors[0][2].itemsize)  # what a reader would refuse is never written
+        if problem:
+            raise UsageError(problem)
         recipe.plan(PlaneSpec.of(tensors[0][2][:, :1]))  # fail early on a recipe that does not fit the dtype
     records: list[Record] = []
     if recipe.lossy:
