@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-# The vLLM end-to-end tests run inside vLLM's own environment (scripts/vllm-env.sh;
-# `.venv-vllm/bin/python -m pytest tests/vllm_e2e`), which .ci/run runs separately.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_e2e"]
+# The vLLM and LMCache end-to-end tests run inside those stacks' own environments
+# (`.venv-vllm/bin/python -m pytest tests/vllm_e2e`, `.venv-lmcache/bin/python -m pytest
+# tests/lmcache_e2e`), which .ci/run runs separately; elsewhere they are not collected.
+collect_ignore = [folder for folder, stack in (("vllm_e2e", "vllm"), ("lmcache_e2e", "lmcache"))
+                  if not importlib.util.find_spec(stack)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "samples"
