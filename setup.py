@@ -9,7 +9,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = ["_core.c", "xxh3.c", "huffman.c", "exphuff.c", "ctxans.c", "ctxans_py.c", "intquant.c"]
+SOURCES = ["_core.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "ctxans.c", "ctxans_py.c", "intquant.c"]
 
 
 class OptionalBuildExt(build_ext):

@@ -61,12 +61,14 @@ static int parse_geometry(int dtype, Py_ssize_t heads, Py_ssize_t tokens, Py_ssi
     return 0;
 }
 
-/* exphuff_encode(block, dtype, heads, tokens, dim) -> bytes; block is C-contiguous [heads, tokens, dim]. */
+/* exphuff_encode(block, dtype, heads, tokens, dim, lane=0) -> bytes; block is C-contiguous [heads, tokens, dim];
+ * lane > 0: exphuff-lanes (chunk version 2) with that many symbols per lane. */
 static PyObject *py_exphuff_encode(PyObject *self, PyObject *args) {
     Py_buffer buf;
     int dtype;
+    unsigned lane = 0;
     Py_ssize_t heads, tokens, dim;
-    if (!PyArg_ParseTuple(args, "y*innn", &buf, &dtype, &heads, &tokens, &dim)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*innn|I", &buf, &dtype, &heads, &tokens, &dim, &lane)) return NULL;
     size_t n;
     if (parse_geometry(dtype, heads, tokens, dim, buf.len, &n)) { PyBuffer_Release(&buf); return NULL; }
     kvn_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, (size_t)tokens * (size_t)dim};
@@ -75,7 +77,7 @@ static PyObject *py_exphuff_encode(PyObject *self, PyObject *args) {
     size_t written = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvn_exphuff_encode(&b, buf.buf, (uint8_t *)PyBytes_AS_STRING(out), &written);
+    rc = kvn_exphuff_encode(&b, buf.buf, (uint8_t *)PyBytes_AS_STRING(out), &written, lane);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&buf);
     if (rc) { Py_DECREF(out); return rc == KVN_ERR_NOMEM ? PyErr_NoMemory() : error_status(rc); }
@@ -173,14 +175,15 @@ static void copy_tokens(uint8_t *dst, size_t dst_head, const uint8_t *src, size_
     for (size_t h = 0; h < heads; h++) memcpy(dst + h * dst_head, src + h * src_head, count * row_bytes);
 }
 
-/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded) -> (blob, meta)
+/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded, lane=0) -> (blob, meta)
  * Cuts a C-contiguous tensor [heads, tokens, dim] into blocks of chunk_tokens tokens; each is
- * exphuff-coded when `coded` and that is smaller, else stored as its C-order bytes. */
+ * exphuff-coded (exphuff-lanes when `lane`) when `coded` and that is smaller, else stored as its C-order bytes. */
 static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     Py_buffer buf;
     int dtype, coded;
+    unsigned lane = 0;
     Py_ssize_t heads, tokens, dim, chunk;
-    if (!PyArg_ParseTuple(args, "y*innnnp", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*innnnp|I", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded, &lane)) return NULL;
     size_t n;
     if (parse_geometry(dtype, heads, tokens, dim, buf.len, &n) || chunk < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "chunk tokens must be >= 1");
@@ -223,7 +226,7 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
         size_t written = raw_len;
         if (coded) {
             kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-            rc = kvn_exphuff_encode(&b, block, out + pos, &written);
+            rc = kvn_exphuff_encode(&b, block, out + pos, &written, lane);
         }
         if (rc) break;
         if (!coded || written >= raw_len) {

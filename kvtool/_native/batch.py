@@ -4,7 +4,8 @@ Calling the core once per chunk from Python would cost more than the chunk's
 coding. ``BatchCodec`` hands the core a whole tensor to cut and encode, or a
 batch of chunks to verify and decode into one output array, with the GIL
 released throughout, so a thread pool scales with the cores. It serves the
-recipes the core implements end to end: ``exphuff`` and ``none`` (no layouts).
+recipes the core implements end to end: ``exphuff``, ``exphuff-lanes`` and
+``none`` (no layouts).
 Every other recipe, and every recipe without the core, takes the container's
 per-chunk path, which writes the same bytes.
 """
@@ -27,6 +28,7 @@ class BatchCodec:
     core: ModuleType  # the compiled extension
     dtype_code: int
     coded: bool  # exphuff; otherwise every chunk is the block's bytes as they are
+    lane: int = 0  # exphuff-lanes' symbols per lane; 0 for exphuff
 
     @classmethod
     def for_recipe(cls, recipe, dtype: np.dtype) -> "BatchCodec | None":
@@ -39,15 +41,15 @@ class BatchCodec:
         except UsageError:
             return None
         codec_id = recipe.codec.codec_id
-        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "none"):
+        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "exphuff-lanes", "none"):
             return None
-        return cls(core, _native.DTYPE_CODES[name], codec_id == "exphuff")
+        return cls(core, _native.DTYPE_CODES[name], codec_id != "none", int(getattr(recipe.codec, "lane", 0)))
 
     def encode_tensor(self, tensor: np.ndarray, chunk_tokens: int) -> tuple[bytes, np.ndarray]:
         """The chunks of a ``[heads, tokens, dim]`` tensor back to back, and per chunk its BLOCK_META_DTYPE record."""
         contiguous = np.ascontiguousarray(tensor)
         blob, meta = self.core.encode_blocks(
-            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded
+            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded, self.lane
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
 
