@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvtool import _native, gpu
 from kvtool._native import lanes_reference
+from kvtool.codecs.base import Availability
 from kvtool.codecs.exphuff import ExpHuffCodec
 from kvtool.errors import UsageError
 
@@ -33,6 +35,17 @@ class ExpHuffLanesCodec(ExpHuffCodec):
         if isinstance(lane, bool) or not isinstance(lane, int) or not lo <= lane <= hi:
             raise UsageError(f"exphuff-lanes: lane must be {lo}..{hi} symbols, not {lane!r}")
         self.lane = lane
+
+    @classmethod
+    def available(cls) -> Availability:
+        ok, how = gpu.status()
+        return Availability(True, implementation=f"{_native.status()}; GPU decode {'on ' + how if ok else 'unavailable: ' + how}")
+
+    @classmethod
+    def details(cls) -> dict[str, object]:
+        """The GPU path, for ``kvtool codecs --json``."""
+        ok, how = gpu.status()
+        return {"gpu": ok, "gpu_reason": "" if ok else how, "gpu_implementation": how if ok else ""}
 
     @classmethod
     def spec_value(cls, arg: str) -> int:

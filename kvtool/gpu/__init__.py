@@ -36,6 +36,17 @@ def status() -> tuple[bool, str]:
     return True, f"Triton {triton.__version__} on {torch.cuda.get_device_name()}"
 
 
+def dtype_name(dtype) -> str | None:
+    """kvtool's name of a torch dtype the GPU decoder writes (bf16, fp16, fp32, both fp8), or None."""
+    import torch
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    for attr, name in (("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2")):
+        if hasattr(torch, attr):
+            names[getattr(torch, attr)] = name
+    return names.get(dtype)
+
+
 def decodes(recipe) -> bool:
     """Whether the GPU decoder takes chunks of ``recipe`` (a ``kvtool.recipe.Recipe``)."""
     return not len(recipe.layouts) and not recipe.plane_codecs and recipe.codec.codec_id in GPU_CODECS

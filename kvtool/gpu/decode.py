@@ -71,27 +71,44 @@ def describe(blob: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, tokens:
     return Batch(desc, int(k.sum()), int(k.max()) if len(k) else 0)
 
 
-def launch(src: torch.Tensor, batch: Batch, rows: torch.Tensor, dst: torch.Tensor, dtype_name: str, heads: int,
-           dim: int) -> torch.Tensor:
-    """Queue the decode of ``batch`` from device bytes ``src`` into ``dst`` (flat, of ``ELEMENT[width]``) on the
-    current stream; row r of the batch goes to element ``rows[r]`` of ``dst`` (-1: left out). Returns the
-    per-chunk status words, still on the device (``check`` reads them)."""
+@dataclass
+class Scratch:
+    """Device memory of one batch's decode: descriptors, decode tables, lane starts, status words."""
+
+    desc: torch.Tensor
+    table: torch.Tensor
+    lane_start: torch.Tensor
+    status: torch.Tensor
+
+    @classmethod
+    def for_batch(cls, batch: Batch, device: torch.device) -> "Scratch":
+        count = len(batch.desc)
+        return cls(
+            torch.from_numpy(batch.desc).to(device, non_blocking=True),
+            torch.empty(max(count, 1) * kernels.TABLE_SLOTS, dtype=torch.int32, device=device),
+            torch.empty(batch.lanes + 1, dtype=torch.int64, device=device),
+            torch.zeros(count, dtype=torch.int32, device=device),
+        )
+
+
+def run_kernels(src: torch.Tensor, batch: Batch, scratch: Scratch, first: int, last: int, rows: torch.Tensor,
+                dst: torch.Tensor, row_base: int, dtype_name: str, heads: int, dim: int) -> None:
+    """Queue, on the current stream, the decode of chunks ``first..last-1`` of ``batch`` from device bytes ``src``
+    into ``dst`` (flat, of ``ELEMENT[width]``): a chunk's row r goes to element ``row_base + rows[row_start + r]``
+    (a negative entry leaves the row out)."""
+    count = last - first
+    widest = int(batch.desc[first:last, DESC_LANES].max()) if count else 0
+    if not widest:
+        return
     family = FAMILIES[dtype_name]
-    device = src.device
-    count = len(batch.desc)
-    status = torch.zeros(count, dtype=torch.int32, device=device)
-    if not count or not batch.widest:
-        return status
-    desc = torch.from_numpy(batch.desc).to(device, non_blocking=True)
-    table = torch.empty(count * kernels.TABLE_SLOTS, dtype=torch.int32, device=device)
-    lane_start = torch.empty(batch.lanes + 1, dtype=torch.int64, device=device)
-    kernels.code_table_kernel[(count,)](src, desc, table, lane_start, status, HEADS=heads, DIM=dim,
+    desc, status = scratch.desc[first:last], scratch.status[first:last]
+    table = scratch.table[first * kernels.TABLE_SLOTS : last * kernels.TABLE_SLOTS]
+    kernels.code_table_kernel[(count,)](src, desc, table, scratch.lane_start, status, HEADS=heads, DIM=dim,
                                         RAW_BYTES=family.raw_bytes, LANE_TILE=LANE_TILE)
-    grid = (triton.cdiv(batch.widest, LANES), count)
-    kernels.decode_kernel[grid](src, desc, table, lane_start, status, rows, dst, HEADS=heads, DIM=dim,
-                                WIDTH=family.width, RAW_BYTES=family.raw_bytes, EMASK=family.emask,
-                                ESHIFT=family.eshift, LANES=LANES)
-    return status
+    kernels.decode_kernel[(triton.cdiv(widest, LANES), count)](
+        src, desc, table, scratch.lane_start, status, rows, dst, row_base, HEADS=heads, DIM=dim,
+        WIDTH=family.width, RAW_BYTES=family.raw_bytes, EMASK=family.emask, ESHIFT=family.eshift, LANES=LANES,
+    )
 
 
 def check(status: torch.Tensor, name_of=lambda i: f"chunk {i}") -> None:
@@ -120,7 +137,9 @@ def decode_chunks(chunks: list[bytes], shapes: list[tuple[int, int, int]], dtype
     rows = torch.arange(int(row_counts.sum()), dtype=torch.int64) * dim
     dst = torch.zeros(int(row_counts.sum()) * dim, dtype=ELEMENT[family.width], device=device)
     src = torch.from_numpy(blob.copy()).to(device)
-    check(launch(src, batch, rows.to(device), dst, dtype_name, heads, dim))
+    scratch = Scratch.for_batch(batch, torch.device(device))
+    run_kernels(src, batch, scratch, 0, len(chunks), rows.to(device), dst, 0, dtype_name, heads, dim)
+    check(scratch.status)
     flat = dst.cpu().numpy()
     out, at = [], 0
     for shape in shapes:

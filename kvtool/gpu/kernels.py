@@ -10,7 +10,7 @@ Two kernels per batch of chunks bound for one destination tensor:
   lanes in lock step: lane ``k`` at step ``j`` decodes symbol ``j * K + k``,
   adds the channel's reference, joins the raw sign and mantissa bits and writes
   the value straight to its row in the destination (``rows``: the element
-  offset of each (head, token) row, -1 for a row left out), so neighbouring
+  offset of each (head, token) row from ``row_base``, -1 for a row left out), so neighbouring
   lanes write neighbouring values of a row.
 
 A malformed chunk sets its status word (``STATUS_*``) and its values are not
@@ -107,7 +107,7 @@ def code_table_kernel(src, desc, table, lane_start, status, HEADS: tl.constexpr,
 
 
 @triton.jit
-def decode_kernel(src, desc, table, lane_start, status, rows, dst, HEADS: tl.constexpr, DIM: tl.constexpr,
+def decode_kernel(src, desc, table, lane_start, status, rows, dst, row_base, HEADS: tl.constexpr, DIM: tl.constexpr,
                   WIDTH: tl.constexpr, RAW_BYTES: tl.constexpr, EMASK: tl.constexpr, ESHIFT: tl.constexpr,
                   LANES: tl.constexpr):
     c = tl.program_id(1)
@@ -152,7 +152,7 @@ def decode_kernel(src, desc, table, lane_start, status, rows, dst, HEADS: tl.con
             else:
                 value = byte_
             target = tl.load(rows + row_start + row, mask=live, other=-1)
-            tl.store(dst + target + d, value.to(dst.dtype.element_ty), mask=live & (target >= 0))
+            tl.store(dst + row_base + target + d, value.to(dst.dtype.element_ty), mask=live & (target >= 0))
         if coded:
             wrong = live_lane & ((pos > stop) | (stop - pos >= 8))
             tl.atomic_or(status + c, tl.where(tl.max(wrong.to(tl.int32), 0) > 0, STATUS_LANES, 0))

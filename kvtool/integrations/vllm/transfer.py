@@ -11,6 +11,14 @@ right after each layer is written; ``encode_and_store`` then compresses and
 stores them off the forward path. The copies are taken before the step ends,
 so vLLM may reuse the blocks at once.
 
+On CUDA, entries of a recipe the GPU decodes (``exphuff-lanes``) skip the
+thread's decode: their bytes go from a pinned buffer to the device and are
+decoded there straight into the paged blocks, layer by layer on side streams
+(``kvtool.gpu.restore``); ``copy_layer`` then makes the forward pass's stream
+wait for that layer on the device, the host does not wait. Other entries of
+the same step take the CPU decode. Capture copies blocks to pinned memory on a
+side stream, and the step's end waits for those copies.
+
 A restore that fails for any reason (entry missing or damaged, a store that
 is down, an entry that does not fit the model) marks the blocks of that entry
 and of every later entry of the request as failed; the connector reports them
@@ -23,7 +31,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -31,10 +39,15 @@ import torch
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.container import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
+from kvtool import gpu
+from kvtool.integrations.vllm.device_capture import DeviceCapture
 from kvtool.integrations.vllm.stats import StatsCollector
-from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
+from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes, to_numpy
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.store import Store, TieredStore
+
+if TYPE_CHECKING:
+    from kvtool.gpu.restore import LayerwiseDecode
 
 log = logging.getLogger("kvtool.vllm")
 
@@ -70,6 +83,8 @@ class _Pending:
     job: LoadJob
     reader: KvzReader | None = None
     tier: str = ""
+    data: bytes | memoryview = b""  # the entry's bytes, for the GPU decoder
+    gpu_index: int = -1  # its index in the step's GPU decode, when it takes that path
 
 
 @dataclass
@@ -102,7 +117,10 @@ class Restore:
         layers: PagedLayers,
         jobs: dict[str, list[LoadJob]],
         stats: StatsCollector | None = None,
+        gpu_decode: bool | None = None,
     ) -> None:
+        """``gpu_decode``: decode on the GPU where an entry's recipe allows (None: where the paged tensors are
+        on CUDA and ``kvtool.gpu`` can run)."""
         self._store = store
         self._key_of = key_of
         self._layers = layers
@@ -117,6 +135,8 @@ class Restore:
         self._thread: threading.Thread | None = None
         self.times = RestoreTimes()
         self._started = 0.0
+        self._gpu_decode = gpu_decode
+        self._gpu: LayerwiseDecode | None = None
 
     # -- driving ------------------------------------------------------------------------
     def start(self, background: bool) -> None:
@@ -124,6 +144,15 @@ class Restore:
         where a CPU cache lets each entry be decoded straight into its paged blocks."""
         self._started = time.perf_counter()
         self._direct = not background and all(k.device.type == "cpu" for k in self._layers.keys)
+        layers = self._layers
+        use_gpu = self._gpu_decode
+        if use_gpu is None:
+            use_gpu = layers.keys[0].is_cuda and gpu.status()[0]
+        if use_gpu and not self._direct:
+            from kvtool.integrations.vllm import gpu_transfer  # imports Triton
+
+            if gpu_transfer.gpu_usable(layers.keys, layers.values):
+                self._gpu = gpu_transfer.new_decoder(layers.keys, layers.values)
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
             self._thread.start()
@@ -136,6 +165,8 @@ class Restore:
             return
         waited = time.perf_counter()
         self._ready[index].wait()
+        if self._gpu is not None:
+            self._gpu.wait_layer(index)
         copying = time.perf_counter()
         self.times.blocked += copying - waited
         for block_ids, k, v in self._decoded[index] or ():
@@ -154,6 +185,10 @@ class Restore:
             self.copy_layer(index)
         if self._thread is not None:
             self._thread.join()
+        if self._gpu is not None:
+            by_index = {p.gpu_index: p for p in self._pending if p.gpu_index >= 0}
+            for index, word in self._gpu.failures().items():
+                self._fail(by_index[index], f"GPU decode status {word}", "decode_error")
         self._report()
         return self.failed_block_ids()
 
@@ -182,6 +217,8 @@ class Restore:
                 for p in self._pending:
                     self._decode_into_pages(p)
             else:
+                if self._gpu is not None:
+                    self._start_gpu(self._gpu)
                 for index in range(len(self._ready)):
                     self._decoded[index] = self._decode_layer(index)
                     self._ready[index].set()
@@ -207,6 +244,7 @@ class Restore:
                 self._fail(p, "entry damaged" if damaged else "entry missing", "damaged" if damaged else "missing")
                 return
             reader = KvzReader.from_bytes(entry.value)
+            p.data = entry.value
         except KvtoolError as exc:
             self._fail(p, str(exc), "store_error")
             return
@@ -219,6 +257,24 @@ class Restore:
             self._fail(p, "entry does not fit this model's KV cache", "mismatch")
             return
         p.reader = reader
+
+    def _start_gpu(self, decoder: LayerwiseDecode) -> None:
+        """Hand the entries the GPU decodes to it and queue every layer; the rest stay for the CPU."""
+        from kvtool.integrations.vllm.gpu_transfer import gpu_chunks
+
+        for p in self._pending:
+            if p.reader is None or self._is_failed(p):
+                continue
+            try:
+                chunks = gpu_chunks(p.reader, p.data, self._layers, p.job)
+            except KvtoolError as exc:
+                self._fail(p, str(exc), "damaged")
+                continue
+            if chunks is not None:
+                p.gpu_index = decoder.add(chunks)
+                p.reader.close()
+                p.reader = None
+        decoder.start()
 
     def _decode_into_pages(self, p: _Pending) -> None:
         """Every layer of one entry from its stored chunks into the paged blocks, in one native pass per chunk."""
@@ -326,15 +382,25 @@ class Capture:
     jobs: dict[str, list[SaveJob]]
     num_layers: int
     arrays: dict[str, list[list[np.ndarray | None]]] = field(default_factory=dict)  # entry -> [keys, values]
+    device: DeviceCapture | None = None  # CUDA: copies in flight on a side stream
 
     def take_layer(self, index: int, layers: PagedLayers) -> None:
+        key_view, value_view = layers.keys[index], layers.values[index]
+        if key_view.is_cuda and self.device is None:
+            self.device = DeviceCapture(key_view.device)
         for job in (j for js in self.jobs.values() for j in js):
             k, v = self.arrays.setdefault(job.entry_id, [[None] * self.num_layers, [None] * self.num_layers])
-            k[index] = gather_blocks(layers.keys[index], job.block_ids)
-            v[index] = gather_blocks(layers.values[index], job.block_ids)
+            if self.device is not None:
+                k[index] = to_numpy(self.device.gather(key_view, job.block_ids))
+                v[index] = to_numpy(self.device.gather(value_view, job.block_ids))
+            else:
+                k[index] = gather_blocks(key_view, job.block_ids)
+                v[index] = gather_blocks(value_view, job.block_ids)
 
     def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
-        """Entries with every layer captured, except those of ``skip_requests``."""
+        """Entries with every layer captured, except those of ``skip_requests`` (waits for copies in flight)."""
+        if self.device is not None:
+            self.device.finish()
         done: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
         for rid, jobs in self.jobs.items():
             if rid in skip_requests:

@@ -1,0 +1,119 @@
+"""The connector's GPU restore path, run on CPU tensors through Triton's interpreter.
+
+The same code as on CUDA minus streams and pinned memory: entries of the GPU's
+recipe (exphuff-lanes) decoded by the kernels straight into paged blocks laid
+out as vLLM's CPU and CUDA backends lay them out, other entries of the same
+step through the CPU decode, and a chunk the kernels refuse marking its
+request's blocks for recompute.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the GPU decoder's tests need Triton (pip install kvtool[gpu])")
+
+from kvtool.cache import KVCache, ModelFacts
+from kvtool.integrations.vllm.paged import kv_views, scatter_blocks
+from kvtool.integrations.vllm.plan import LoadJob
+from kvtool.integrations.vllm.stats import StatsCollector
+from kvtool.integrations.vllm.transfer import PagedLayers, Restore, encode_and_store
+from kvtool.store import open_store
+from kvtool.torchbits import from_numpy
+
+BLOCK, BLOCKS, LAYERS = 16, 6, 2
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged(backend: str, heads: int, dim: int) -> PagedLayers:
+    """The views of empty paged tensors in ``backend``'s layout ([blocks, heads, block, 2 * dim] in vLLM 0.32)."""
+    tensors = [torch.zeros(BLOCKS, heads, BLOCK, 2 * dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(LAYERS)]
+    views = [kv_views(t, backend, dim, BLOCK) for t in tensors]
+    return PagedLayers([f"l{i}" for i in range(LAYERS)], [k for k, _ in views], [v for _, v in views],
+                                BLOCK, torch.bfloat16)
+
+
+def sample_entry(path, tokens: slice) -> KVCache:
+    return KVCache.load(path, layers=list(range(LAYERS)), tokens=tokens)
+
+
+def restore(store, layers, jobs, stats=None) -> set[int]:
+    r = Restore(store, lambda e: f"key/{e}", layers, jobs, stats, gpu_decode=True)
+    r.start(background=True)
+    for i in range(LAYERS):
+        r.copy_layer(i)
+    return r.finish()
+
+
+def expect(layers: PagedLayers, cache: KVCache, block_ids: list[int], first_block: int = 0) -> None:
+    """What the paged blocks must hold: the cache's tokens from ``first_block`` on, scattered as vLLM's copy does."""
+    want_k = [torch.zeros_like(k) for k in layers.keys]
+    want_v = [torch.zeros_like(v) for v in layers.values]
+    skip = first_block * BLOCK
+    for i in range(LAYERS):
+        for want, array in ((want_k[i], cache.keys[i]), (want_v[i], cache.values[i])):
+            scatter_blocks(want, block_ids, from_numpy(np.ascontiguousarray(array[:, skip:]), torch.bfloat16))
+    for i in range(LAYERS):
+        assert torch.equal(layers.keys[i].view(torch.int16), want_k[i].view(torch.int16))
+        assert torch.equal(layers.values[i].view(torch.int16), want_v[i].view(torch.int16))
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_gpu_and_cpu_entries_of_one_step_restore_bit_exactly(samples, backend, monkeypatch):
+    from kvtool.gpu import restore as gpu_restore
+
+    launches = []
+    real_run = gpu_restore.run_kernels
+    monkeypatch.setattr(gpu_restore, "run_kernels", lambda *a, **k: launches.append(a[3:5]) or real_run(*a, **k))
+    lanes = sample_entry(samples[0], slice(0, 2 * BLOCK))
+    plain = sample_entry(samples[1], slice(5, 5 + BLOCK))
+    heads, _, dim = lanes.keys[0].shape
+    layers = paged(backend, heads, dim)
+    stats = StatsCollector()
+    with open_store("memory://") as store:
+        assert encode_and_store(store, "key/a", lanes.keys, lanes.values, "exphuff-lanes:16", ModelFacts("m"))
+        assert encode_and_store(store, "key/b", plain.keys, plain.values, "exphuff", ModelFacts("m"))
+        jobs = {"r1": [LoadJob("a", 2, 0, [4, 1])], "r2": [LoadJob("b", 1, 0, [3])]}
+        assert restore(store, layers, jobs, stats) == set()
+    both = KVCache([np.concatenate([a, b], axis=1) for a, b in zip(lanes.keys, plain.keys)],
+                   [np.concatenate([a, b], axis=1) for a, b in zip(lanes.values, plain.values)], ModelFacts("m"))
+    expect(layers, both, [4, 1, 3])
+    assert len(launches) == 2 * LAYERS  # entry a's keys and values of every layer on the GPU path; b on the CPU
+    assert stats.take()["counts"] == {"tokens_restored": 3 * BLOCK, "entries_restored": 2}
+
+
+def test_blocks_vllm_already_has_are_left_alone(samples):
+    cache = sample_entry(samples[1], slice(0, 3 * BLOCK))
+    heads, _, dim = cache.keys[0].shape
+    layers = paged("FLASH_ATTN", heads, dim)
+    with open_store("memory://") as store:
+        encode_and_store(store, "key/a", cache.keys, cache.values, "exphuff-lanes:16", ModelFacts("m"))
+        assert restore(store, layers, {"r": [LoadJob("a", 3, 1, [5, 2])]}) == set()
+    expect(layers, cache, [5, 2], first_block=1)
+
+
+def test_a_chunk_the_kernels_refuse_marks_its_blocks_for_recompute(samples, monkeypatch):
+    from kvtool.gpu import decode
+
+    cache = sample_entry(samples[0], slice(0, BLOCK))
+    heads, _, dim = cache.keys[0].shape
+    layers = paged("CPU_ATTN", heads, dim)
+    real = decode.describe
+
+    def lane_count_off_by_one(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        batch.desc[-1, decode.DESC_LANES] += 1  # the last chunk's header no longer matches: refused on the device
+        return decode.Batch(batch.desc, batch.lanes + 1, batch.widest + 1)
+
+    monkeypatch.setattr("kvtool.gpu.restore.describe", lane_count_off_by_one)
+    stats = StatsCollector()
+    with open_store("memory://") as store:
+        encode_and_store(store, "key/a", cache.keys, cache.values, "exphuff-lanes:16", ModelFacts("m"))
+        assert restore(store, layers, {"r": [LoadJob("a", 1, 0, [2])]}, stats) == {2}
+    assert stats.take()["counts"]["restore_failures|decode_error"] == 1
