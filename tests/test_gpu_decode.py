@@ -107,3 +107,47 @@ def test_damaged_chunks_are_refused_like_the_core_refuses_them(samples):
             bad, np.zeros(block.size, np.uint16).view(np.uint8), 0, *block.shape) != 0, what
         with pytest.raises(DecodeError, match="does not decode on the GPU"):
             decode_chunks([chunk, bad], [block.shape] * 2, "bf16", DEVICE)
+
+
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvtool.gpu import kernels
+
+def build(fn, types, consts):
+    names = fn.arg_names
+    source = ASTSource(fn=fn, signature={n: types.get(n, "constexpr") for n in names},
+                       constexprs={(names.index(n),): v for n, v in consts.items()})
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            print("no-ptxas", exc)
+            sys.exit(0)
+        raise
+
+pointers = {"src": "*u8", "desc": "*i64", "table": "*i32", "lane_start": "*i64", "status": "*i32"}
+table = build(kernels.code_table_kernel, pointers, {"HEADS": 8, "DIM": 128, "RAW_BYTES": 1, "LANE_TILE": 1024})
+decode = build(kernels.decode_kernel, {**pointers, "rows": "*i64", "dst": "*u16", "row_base": "i64"},
+               {"HEADS": 8, "DIM": 128, "WIDTH": 2, "RAW_BYTES": 1, "EMASK": 0xFF, "ESHIFT": 0, "LANES": 128})
+for compiled in (table, decode):
+    assert compiled.asm["cubin"] and ".local" not in compiled.asm["ptx"], "not built, or registers spilled"
+print("built")
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """The same kernels through Triton's real compiler (to cubin for sm_90), which the interpreter skips:
+    constexpr globals, types and control flow a GPU build takes, and no register spills. Needs no GPU, only
+    Triton's bundled ptxas; it runs in a process of its own, without the interpreter."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.startswith("no-ptxas"):
+        pytest.skip(f"Triton's CUDA assembler cannot run here: {done.stdout[:300]}")
+    assert done.stdout.strip().endswith("built")
