@@ -81,7 +81,7 @@ def code_table_kernel(src, desc, table, lane_start, status, HEADS: tl.constexpr,
         nibbles = _byte(src, at + 34 + (rank >> 1), end)
         size = tl.where(used == 1, (nibbles >> (4 * (rank & 1))) & 15, 0)
         pad = _byte(src, at + 34 + (count >> 1), end) >> 4
-        kraft = tl.sum(tl.where(size > 0, 1 << (_MAXBITS - tl.minimum(size, _MAXBITS)), 0), 0)
+        kraft = tl.sum(tl.where(size > 0, (tl.zeros_like(size) + _TABLE_SLOTS) >> tl.minimum(size, _MAXBITS), 0), 0)
         wrong_size = tl.max(tl.where((used == 1) & ((size == 0) | (size > _MAXBITS)), 1, 0), 0)
         bad |= tl.where((count < 2) | (wrong_size > 0) | (kraft != _TABLE_SLOTS) | (((count & 1) == 1) & (pad != 0)),
                         _STATUS_TABLE, 0)
@@ -103,7 +103,7 @@ def code_table_kernel(src, desc, table, lane_start, status, HEADS: tl.constexpr,
         for r0 in tl.static_range(0, _TABLE_SLOTS // 2, 64):
             r = r0 + tl.arange(0, 64)
             slot = reversed_code[:, None] + (r[None, :] << size[:, None])
-            keep = (size[:, None] > 0) & (r[None, :] < (1 << (_MAXBITS - size[:, None])))
+            keep = (size[:, None] > 0) & ((r[None, :] << size[:, None]) < _TABLE_SLOTS)
             keep = keep & (tl.zeros([256, 64], tl.int32) + bad == 0)
             tl.store(table + c * _TABLE_SLOTS + slot, tl.broadcast_to(entry[:, None], [256, 64]), mask=keep)
         # Lane starts (bit positions in src) from the lane lengths; they must tile the rest of the chunk.
