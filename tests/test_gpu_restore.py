@@ -117,3 +117,20 @@ def test_a_chunk_the_kernels_refuse_marks_its_blocks_for_recompute(samples, monk
         encode_and_store(store, "key/a", cache.keys, cache.values, "exphuff-lanes:16", ModelFacts("m"))
         assert restore(store, layers, {"r": [LoadJob("a", 1, 0, [2])]}, stats) == {2}
     assert stats.take()["counts"]["restore_failures|decode_error"] == 1
+
+
+def test_the_gpu_benchmark_runs_and_checks_its_restores(tmp_path):
+    """benchmarks/gpu/gpu_restore.py at tiny sizes (the interpreter without a GPU): every restore bit-exact."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "gpu_restore.py"
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--json", str(out)], check=False, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [e["entry"] for e in result["entries"]] == ["code", "qwen3-8b-shaped"]
+    assert all(e["bit_exact"] for e in result["entries"]) and result["paged_restore"]["bit_exact"]
