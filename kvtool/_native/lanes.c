@@ -15,12 +15,20 @@ void kvn_huf_encode_lanes(const uint8_t *sym, size_t n, size_t k, const uint16_t
         uint8_t *start = o;
         uint64_t acc = 0;
         unsigned nb = 0;
-        for (size_t i = lane; i < n; i += k) {
+        for (size_t i = lane; i < n; i += k) {  /* 32 bits leave the accumulator at a time (<= 41 held) */
             acc |= (uint64_t)code[sym[i]] << nb;
             nb += len[sym[i]];
-            while (nb >= 8) { *o++ = (uint8_t)acc; acc >>= 8; nb -= 8; }
+            if (nb >= 32) {
+                kvn_wr32(o, (uint32_t)acc);
+                o += 4;
+                acc >>= 32;
+                nb -= 32;
+            }
         }
-        if (nb) *o++ = (uint8_t)acc;
+        for (; nb > 0; nb = nb > 8 ? nb - 8 : 0) {
+            *o++ = (uint8_t)acc;
+            acc >>= 8;
+        }
         size_t bytes = (size_t)(o - start);
         lane_len[2 * lane] = (uint8_t)bytes;
         lane_len[2 * lane + 1] = (uint8_t)(bytes >> 8);
