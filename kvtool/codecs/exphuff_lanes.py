@@ -5,7 +5,7 @@ raw sign and mantissa bits, but the symbols are dealt round-robin to one bit
 stream per ``lane`` symbols (512 by default) with a table of their lengths, so
 a GPU decodes thousands of lanes at once (``kvtool.gpu``), each thread writing
 next to its neighbours. It costs about 0.3% of ratio against ``exphuff`` at 512
-symbols per lane and decodes at about a third of exphuff's speed on a CPU core
+symbols per lane and takes 1.5-3x exphuff's CPU time to decode on a CPU core
 (one table lookup per symbol), so it is an opt-in recipe for GPU restores
 (``--recipe exphuff-lanes``, ``exphuff-lanes:256`` for more lanes).
 
