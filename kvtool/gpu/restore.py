@@ -169,7 +169,7 @@ class LayerwiseDecode:
 
     def wait_layer(self, l: int) -> None:
         """Make the current stream (the forward pass) wait until layer ``l`` is in place; the host does not wait."""
-        if self._ready:
+        if l < len(self._ready):  # fewer when queueing failed part way: then every entry fails
             torch.cuda.current_stream(self._device).wait_event(self._ready[l])
 
     def failures(self) -> dict[int, int]:

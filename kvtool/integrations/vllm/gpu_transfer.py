@@ -9,13 +9,14 @@ decode, so a step may mix both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from kvtool import _native, gpu
 from kvtool.container import KvzCorruptError, KvzReader
+from kvtool.errors import KvtoolError
 from kvtool.gpu.restore import EntryChunks, LayerwiseDecode
 from kvtool.integrations.vllm.paged import row_offsets
 from kvtool.integrations.vllm.plan import LoadJob
@@ -67,3 +68,22 @@ def gpu_chunks(reader: KvzReader, data: bytes | memoryview, layers: "PagedLayers
         bytes_, layer_pos, kind, index["offset"].astype(np.int64), index["stored_len"].astype(np.int64),
         index["token_count"].astype(np.int64), index["token_start"].astype(np.int64), np.stack(rows),
     )
+
+
+def hand_over(decoder: LayerwiseDecode, pending: Sequence[Any], layers: "PagedLayers",
+              fail: Callable[[Any, str, str], None], is_failed: Callable[[Any], bool]) -> None:
+    """Give ``decoder`` the opened entries it takes (``Restore``'s pending items: their reader is closed and
+    cleared, ``gpu_index`` set) and queue every layer; the others stay for the CPU decode."""
+    for p in pending:
+        if p.reader is None or is_failed(p):
+            continue
+        try:
+            chunks = gpu_chunks(p.reader, p.data, layers, p.job)
+        except KvtoolError as exc:
+            fail(p, str(exc), "damaged")
+            continue
+        if chunks is not None:
+            p.gpu_index = decoder.add(chunks)
+            p.reader.close()
+            p.reader = None
+    decoder.start()

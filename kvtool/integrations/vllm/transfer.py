@@ -11,13 +11,11 @@ right after each layer is written; ``encode_and_store`` then compresses and
 stores them off the forward path. The copies are taken before the step ends,
 so vLLM may reuse the blocks at once.
 
-On CUDA, entries of a recipe the GPU decodes (``exphuff-lanes``) skip the
-thread's decode: their bytes go from a pinned buffer to the device and are
-decoded there straight into the paged blocks, layer by layer on side streams
-(``kvtool.gpu.restore``); ``copy_layer`` then makes the forward pass's stream
-wait for that layer on the device, the host does not wait. Other entries of
-the same step take the CPU decode. Capture copies blocks to pinned memory on a
-side stream, and the step's end waits for those copies.
+On CUDA, entries the GPU decodes (``exphuff-lanes``) go from pinned memory to
+the device and are decoded there into the paged blocks, layer by layer on side
+streams (``kvtool.gpu.restore``), the forward pass's stream waiting on the
+device; other entries take the CPU decode. Capture copies to pinned memory on
+a side stream.
 
 A restore that fails for any reason (entry missing or damaged, a store that
 is down, an entry that does not fit the model) marks the blocks of that entry
@@ -144,15 +142,12 @@ class Restore:
         where a CPU cache lets each entry be decoded straight into its paged blocks."""
         self._started = time.perf_counter()
         self._direct = not background and all(k.device.type == "cpu" for k in self._layers.keys)
-        layers = self._layers
-        use_gpu = self._gpu_decode
-        if use_gpu is None:
-            use_gpu = layers.keys[0].is_cuda and gpu.status()[0]
+        keys, values = self._layers.keys, self._layers.values
+        use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].is_cuda and gpu.status()[0]
         if use_gpu and not self._direct:
             from kvtool.integrations.vllm import gpu_transfer  # imports Triton
 
-            if gpu_transfer.gpu_usable(layers.keys, layers.values):
-                self._gpu = gpu_transfer.new_decoder(layers.keys, layers.values)
+            self._gpu = gpu_transfer.new_decoder(keys, values) if gpu_transfer.gpu_usable(keys, values) else None
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
             self._thread.start()
@@ -218,7 +213,9 @@ class Restore:
                     self._decode_into_pages(p)
             else:
                 if self._gpu is not None:
-                    self._start_gpu(self._gpu)
+                    from kvtool.integrations.vllm.gpu_transfer import hand_over
+
+                    hand_over(self._gpu, self._pending, self._layers, self._fail, self._is_failed)
                 for index in range(len(self._ready)):
                     self._decoded[index] = self._decode_layer(index)
                     self._ready[index].set()
@@ -257,24 +254,6 @@ class Restore:
             self._fail(p, "entry does not fit this model's KV cache", "mismatch")
             return
         p.reader = reader
-
-    def _start_gpu(self, decoder: LayerwiseDecode) -> None:
-        """Hand the entries the GPU decodes to it and queue every layer; the rest stay for the CPU."""
-        from kvtool.integrations.vllm.gpu_transfer import gpu_chunks
-
-        for p in self._pending:
-            if p.reader is None or self._is_failed(p):
-                continue
-            try:
-                chunks = gpu_chunks(p.reader, p.data, self._layers, p.job)
-            except KvtoolError as exc:
-                self._fail(p, str(exc), "damaged")
-                continue
-            if chunks is not None:
-                p.gpu_index = decoder.add(chunks)
-                p.reader.close()
-                p.reader = None
-        decoder.start()
 
     def _decode_into_pages(self, p: _Pending) -> None:
         """Every layer of one entry from its stored chunks into the paged blocks, in one native pass per chunk."""
