@@ -99,3 +99,18 @@ def test_exphuff_refuses_a_lane_chunk_and_back(samples):
         get_codec("exphuff").decode_array(get_codec("exphuff-lanes").encode_array(block), block.shape, block.dtype)
     with pytest.raises(DecodeError):
         get_codec("exphuff-lanes").decode_array(get_codec("exphuff").encode_array(block), block.shape, block.dtype)
+
+
+def test_kvtool_codecs_says_whether_the_gpu_decodes_here_and_why_not():
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    rows = {row["id"]: row for row in json.loads(CliRunner().invoke(app, ["codecs", "--json"]).stdout)}
+    lanes = rows["exphuff-lanes"]
+    assert lanes["available"] and isinstance(lanes["gpu"], bool)
+    assert lanes["gpu_implementation"] if lanes["gpu"] else lanes["gpu_reason"]
+    text = CliRunner().invoke(app, ["codecs"]).stdout
+    assert "GPU decode: " in next(line for line in text.splitlines() if line.startswith("exphuff-lanes"))

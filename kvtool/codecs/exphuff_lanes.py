@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtool import _native, gpu
+from kvtool import gpu
 from kvtool._native import lanes_reference
-from kvtool.codecs.base import Availability
 from kvtool.codecs.exphuff import ExpHuffCodec
 from kvtool.errors import UsageError
 
@@ -37,13 +36,8 @@ class ExpHuffLanesCodec(ExpHuffCodec):
         self.lane = lane
 
     @classmethod
-    def available(cls) -> Availability:
-        ok, how = gpu.status()
-        return Availability(True, implementation=f"{_native.status()}; GPU decode {'on ' + how if ok else 'unavailable: ' + how}")
-
-    @classmethod
     def details(cls) -> dict[str, object]:
-        """The GPU path, for ``kvtool codecs --json``."""
+        """The GPU path, for ``kvtool codecs`` (asked only there: it imports torch and Triton where installed)."""
         ok, how = gpu.status()
         return {"gpu": ok, "gpu_reason": "" if ok else how, "gpu_implementation": how if ok else ""}
 
