@@ -2,6 +2,7 @@
 
     python benchmarks/gpu/gpu_restore.py --json out/gpu-restore.json   # one CUDA GPU, under 5 minutes
     TRITON_INTERPRET=1 python benchmarks/gpu/gpu_restore.py --smoke    # tiny sizes on CPU tensors: it runs
+    python benchmarks/gpu/gpu_restore.py --host-only                   # no GPU: the host's share of a restore
 
 Needs kvtool's tree, torch and Triton; nothing is downloaded. Measures, on the committed samples
 and on a Qwen3-8B-shaped entry (36 layers x 8 KV heads x 128, 256 tokens, bf16; its values are
@@ -13,6 +14,10 @@ the samples' channels tiled to that shape):
 - a restore of N entries into paged tensors laid out as vLLM's CUDA backends lay them out
   ([blocks, kv_heads, block_size, 2 * head_dim]), through the connector's own GPU path, checked
   bit for bit against the CPU decode, with its wall time and the CPU seconds it spent per GB.
+
+``--host-only`` runs that restore on CPU tensors with the kernels left out (nothing is decoded):
+the CPU seconds per GB the host spends on a GPU restore (checksums, the pinned buffer, the
+descriptors and row tables), measurable without a GPU.
 """
 
 from __future__ import annotations
@@ -116,7 +121,7 @@ def bench_entry(torch, device, name: str, cache: KVCache, recipe: str, repeat: i
     }
 
 
-def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int) -> dict:
+def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int, check: bool = True) -> dict:
     """N entries restored into shuffled blocks of CUDA-layout paged tensors through the connector's GPU path."""
     from kvtool.integrations.vllm import gpu_transfer
     from kvtool.integrations.vllm.paged import kv_views, scatter_blocks
@@ -132,7 +137,7 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
     paged = PagedLayers([f"l{i}" for i in range(layers)], [k for k, _ in views], [v for _, v in views], BLOCK, torch.bfloat16)
     ids = np.random.default_rng(1).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
     blobs = [encode_cache(c, recipe, chunk_tokens=c.num_tokens, threads=1) for c in caches]
-    assert gpu_transfer.gpu_usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
+    assert not check or gpu_transfer.gpu_usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
 
     def restore() -> float:
         cpu = time.process_time()
@@ -149,8 +154,8 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
         return cpu
 
     restore()
-    exact = True
-    for blob, block_ids in zip(blobs, ids):
+    exact = check
+    for blob, block_ids in zip(blobs, ids) if check else ():
         cache = KvzReader.from_bytes(blob).read()
         for i in range(layers):
             for view, array in ((paged.keys[i], cache.keys[i]), (paged.values[i], cache.values[i])):
@@ -164,14 +169,36 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
             "restore_seconds": wall, "cpu_seconds_per_GB": float(np.median(cpu_times)) / gb}
 
 
+def host_share(entries: int, repeat: int) -> dict:
+    """CPU seconds per GB of the host's part of a GPU restore, on CPU tensors, the kernels not run."""
+    import torch
+
+    from kvtool.gpu import restore
+
+    samples = sorted((ROOT / "samples").glob("*.safetensors"))
+    shaped = [qwen_shaped(samples, 36, 8, 128, 256, seed) for seed in range(entries)]
+    restore.run_kernels = lambda *args, **kwargs: None  # the device's part
+    result = bench_paged_restore(torch, torch.device("cpu"), shaped, "exphuff-lanes", repeat, check=False)
+    return {"entries": entries, "raw_bytes": result["raw_bytes"], "host_cpu_seconds_per_GB": result["cpu_seconds_per_GB"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (for TRITON_INTERPRET=1 on CPU)")
     parser.add_argument("--entries", type=int, default=8, help="entries in the paged restore")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--host-only", action="store_true", help="no GPU: the host's CPU s per GB of a GPU restore")
     args = parser.parse_args()
     import torch
+
+    if args.host_only:
+        share = host_share(args.entries, args.repeat)
+        print(f"host share of a GPU restore of {share['entries']} Qwen3-8B-shaped entries "
+              f"({share['raw_bytes'] / 1e6:.0f} MB): {share['host_cpu_seconds_per_GB']:.4f} CPU s per restored GB")
+        if args.json:
+            args.json.write_text(json.dumps(share, indent=1) + "\n")
+        return 0
 
     from kvtool import gpu
 
