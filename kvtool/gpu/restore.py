@@ -6,7 +6,8 @@ out layer by layer in one pinned host buffer, and queues for each layer a
 host-to-device copy on a copy stream and the decode on a decode stream that
 waits only for that layer's copy. The forward pass waits (``wait_layer``) only
 for the layer it is about to run; the host never waits for the device until
-``failures()``, which reads every chunk's status at the end of the step.
+``failures()``, which reads every chunk's status at the end of the step. Layers
+take ``DECODE_STREAMS`` decode streams in turn, so a few decode at once.
 
 On CPU tensors (Triton's interpreter, for tests) the same steps run in order,
 without streams or pinned memory.
@@ -20,6 +21,10 @@ import numpy as np
 import torch
 
 from kvtool.gpu.decode import ELEMENT, Batch, Scratch, describe, run_kernels
+
+#: Layers decode on this many streams in turn, so several layers' kernels share the GPU: one
+#: layer of a step is a few thousand lanes, too few to fill it alone.
+DECODE_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,9 @@ class LayerwiseDecode:
 
     def _start_cuda(self, host: torch.Tensor, batch: Batch, rows: np.ndarray, offset: np.ndarray,
                     length: np.ndarray, bounds: np.ndarray) -> None:
-        copy_stream, decode_stream = torch.cuda.Stream(self._device), torch.cuda.Stream(self._device)
-        self._streams = [copy_stream, decode_stream]
+        copy_stream = torch.cuda.Stream(self._device)
+        decode_streams = [torch.cuda.Stream(self._device) for _ in range(DECODE_STREAMS)]
+        self._streams = [copy_stream, *decode_streams]
         with torch.cuda.stream(copy_stream):
             device_bytes = torch.empty(host.numel(), dtype=torch.uint8, device=self._device)
             rows_dev = torch.from_numpy(rows).pin_memory().to(self._device, non_blocking=True)
@@ -146,14 +152,16 @@ class LayerwiseDecode:
                 event = torch.cuda.Event()
                 event.record(copy_stream)
                 copied.append(event)
-        with torch.cuda.stream(decode_stream):
-            decode_stream.wait_event(tables_ready)
-            decode_stream.wait_event(self._begin)
-            for l in range(len(self._keys)):
-                decode_stream.wait_event(copied[l])
+        for stream in decode_streams:
+            stream.wait_event(tables_ready)
+            stream.wait_event(self._begin)
+        for l in range(len(self._keys)):
+            stream = decode_streams[l % DECODE_STREAMS]
+            with torch.cuda.stream(stream):
+                stream.wait_event(copied[l])
                 self._decode_layer(l, device_bytes, batch, rows_dev, bounds)
                 ready = torch.cuda.Event()
-                ready.record(decode_stream)
+                ready.record(stream)
                 self._ready.append(ready)
         self._held += [host, device_bytes, rows_dev]
 
