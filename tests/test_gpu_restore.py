@@ -25,18 +25,16 @@ from kvtool.integrations.vllm.plan import LoadJob
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.integrations.vllm.transfer import PagedLayers, Restore, encode_and_store
 from kvtool.store import open_store
-from kvtool.torchbits import from_numpy
 
 BLOCK, BLOCKS, LAYERS = 16, 6, 2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def paged(backend: str, heads: int, dim: int) -> PagedLayers:
+def paged(backend: str, heads: int, dim: int, dtype=torch.bfloat16) -> PagedLayers:
     """The views of empty paged tensors in ``backend``'s layout ([blocks, heads, block, 2 * dim] in vLLM 0.32)."""
-    tensors = [torch.zeros(BLOCKS, heads, BLOCK, 2 * dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(LAYERS)]
+    tensors = [torch.zeros(BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype, device=DEVICE) for _ in range(LAYERS)]
     views = [kv_views(t, backend, dim, BLOCK) for t in tensors]
-    return PagedLayers([f"l{i}" for i in range(LAYERS)], [k for k, _ in views], [v for _, v in views],
-                                BLOCK, torch.bfloat16)
+    return PagedLayers([f"l{i}" for i in range(LAYERS)], [k for k, _ in views], [v for _, v in views], BLOCK, dtype)
 
 
 def sample_entry(path, tokens: slice) -> KVCache:
@@ -52,16 +50,15 @@ def restore(store, layers, jobs, stats=None) -> set[int]:
 
 
 def expect(layers: PagedLayers, cache: KVCache, block_ids: list[int], first_block: int = 0) -> None:
-    """What the paged blocks must hold: the cache's tokens from ``first_block`` on, scattered as vLLM's copy does."""
-    want_k = [torch.zeros_like(k) for k in layers.keys]
-    want_v = [torch.zeros_like(v) for v in layers.values]
+    """What the paged blocks must hold: the cache's tokens from ``first_block`` on, scattered as vLLM's copy does
+    (as integers of the values' width: torch's CPU copies do not take fp8)."""
+    bits = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.int16)}[layers.keys[0].element_size()]
     skip = first_block * BLOCK
     for i in range(LAYERS):
-        for want, array in ((want_k[i], cache.keys[i]), (want_v[i], cache.values[i])):
-            scatter_blocks(want, block_ids, from_numpy(np.ascontiguousarray(array[:, skip:]), torch.bfloat16))
-    for i in range(LAYERS):
-        assert torch.equal(layers.keys[i].view(torch.int16), want_k[i].view(torch.int16))
-        assert torch.equal(layers.values[i].view(torch.int16), want_v[i].view(torch.int16))
+        for got, array in ((layers.keys[i], cache.keys[i]), (layers.values[i], cache.values[i])):
+            want = torch.zeros_like(got.view(bits[0]))
+            scatter_blocks(want, block_ids, torch.from_numpy(np.ascontiguousarray(array[:, skip:]).view(bits[1])))
+            assert torch.equal(got.view(bits[0]), want)
 
 
 @pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
@@ -88,10 +85,19 @@ def test_gpu_and_cpu_entries_of_one_step_restore_bit_exactly(samples, backend, m
     assert stats.take()["counts"] == {"tokens_restored": 3 * BLOCK, "entries_restored": 2}
 
 
-def test_blocks_vllm_already_has_are_left_alone(samples):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
+def test_blocks_vllm_already_has_are_left_alone(samples, dtype):
+    """Also an fp8 cache (one byte per value: rows are counted in elements of the paged tensor's own size)."""
+    import ml_dtypes
+
     cache = sample_entry(samples[1], slice(0, 3 * BLOCK))
+    torch_dtype = torch.bfloat16
+    if dtype == "fp8_e4m3":
+        cast = [a.astype(np.float32).astype(ml_dtypes.float8_e4m3fn) for a in cache.keys + cache.values]
+        cache = KVCache(cast[:LAYERS], cast[LAYERS:], cache.model)
+        torch_dtype = torch.float8_e4m3fn
     heads, _, dim = cache.keys[0].shape
-    layers = paged("FLASH_ATTN", heads, dim)
+    layers = paged("FLASH_ATTN", heads, dim, torch_dtype)
     with open_store("memory://") as store:
         encode_and_store(store, "key/a", cache.keys, cache.values, "exphuff-lanes:16", ModelFacts("m"))
         assert restore(store, layers, {"r": [LoadJob("a", 3, 1, [5, 2])]}) == set()

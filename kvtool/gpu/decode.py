@@ -19,13 +19,15 @@ from kvtool._native.lanes_reference import MAX_LANE, MIN_LANE
 from kvtool._native.reference import FAMILIES
 from kvtool.errors import DecodeError
 from kvtool.gpu import interpreted, kernels
-from kvtool.gpu.kernels import DESC_FIELDS, DESC_LANE_BASE, DESC_LANES, DESC_LENGTH, DESC_OFFSET, DESC_ROW_START, DESC_TOKENS
+from kvtool.gpu.kernels import (
+    DESC_FIELDS, DESC_LANE_BASE, DESC_LANES, DESC_LENGTH, DESC_OFFSET, DESC_ROW_START, DESC_STORED_RAW, DESC_TOKENS,
+)
 
 #: Lanes per decode program (the interpreter runs programs one after another: fewer, wider ones there),
 #: and per step of the lane-table scan.
 LANES = 1024 if interpreted() else 128
 LANE_TILE = 1024
-#: A one-symbol chunk has no lanes; its values are written by this many threads per step.
+#: A one-symbol or stored-raw chunk has no lanes; its values are written by this many threads per step.
 ONE_SYMBOL_LANES = 1024
 #: The destination's element type per value width (bit patterns: the kernels never do float arithmetic).
 ELEMENT = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
@@ -47,9 +49,10 @@ class Batch:
 
 
 def describe(blob: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, row_starts: np.ndarray,
-             dtype_name: str, heads: int, dim: int) -> Batch:
+             dtype_name: str, heads: int, dim: int, stored_raw: np.ndarray | None = None) -> Batch:
     """The descriptors of chunks at ``offsets`` (``lengths`` bytes, ``tokens`` tokens each) of the host bytes
-    ``blob``, their rows from ``row_starts``. Lane counts come from each chunk's own header; the kernels
+    ``blob``, their rows from ``row_starts``; ``stored_raw`` marks chunks the container stored as they are
+    (their length checked against their values' by the container). Lane counts come from each chunk's own header; the kernels
     check them against it again, so a damaged header costs a failed status, never a stray read."""
     family = FAMILIES[dtype_name]
     offsets, lengths, tokens = (np.asarray(a, np.int64) for a in (offsets, lengths, tokens))
@@ -63,11 +66,12 @@ def describe(blob: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, tokens:
     mode = byte(offsets + 1)
     lane = byte(offsets + fixed) | byte(offsets + fixed + 1) << 8
     lane = np.clip(lane, MIN_LANE, MAX_LANE)
-    k = np.where(mode == 0, -(-n // lane), np.minimum(n, ONE_SYMBOL_LANES))
+    raw = np.zeros(len(offsets), np.int64) if stored_raw is None else np.asarray(stored_raw, np.int64)
+    k = np.where((mode == 0) & (raw == 0), -(-n // lane), np.minimum(n, ONE_SYMBOL_LANES))
     desc = np.zeros((len(offsets), DESC_FIELDS), np.int64)
     desc[:, DESC_OFFSET], desc[:, DESC_LENGTH], desc[:, DESC_TOKENS] = offsets, lengths, tokens
     desc[:, DESC_LANES], desc[:, DESC_LANE_BASE] = k, np.cumsum(k) - k
-    desc[:, DESC_ROW_START] = row_starts
+    desc[:, DESC_ROW_START], desc[:, DESC_STORED_RAW] = row_starts, raw
     return Batch(desc, int(k.sum()), int(k.max()) if len(k) else 0)
 
 

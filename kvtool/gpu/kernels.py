@@ -15,7 +15,8 @@ Two kernels per batch of chunks bound for one destination tensor:
 
 A malformed chunk sets its status word (``STATUS_*``) and its values are not
 written; every load is bounded by the chunk's own bytes, whatever the chunk
-says. The kernels run on a GPU, or on CPU tensors under ``TRITON_INTERPRET=1``,
+says. A chunk the container stored raw (its values as they are) is copied to
+its rows by the same decode kernel. The kernels run on a GPU, or on CPU tensors under ``TRITON_INTERPRET=1``,
 where the tests check them against the numpy reference bit for bit.
 """
 
@@ -28,7 +29,7 @@ MAXBITS = 10
 TABLE_SLOTS = 1 << MAXBITS
 STATUS_OK, STATUS_HEADER, STATUS_TABLE, STATUS_LANES, STATUS_LENGTH = 0, 1, 2, 4, 8
 #: Descriptor fields per chunk (int64): where it is, its geometry, its lanes, its rows.
-DESC_OFFSET, DESC_LENGTH, DESC_TOKENS, DESC_LANES, DESC_LANE_BASE, DESC_ROW_START, DESC_FIELDS = 0, 1, 2, 3, 4, 5, 6
+DESC_OFFSET, DESC_LENGTH, DESC_TOKENS, DESC_LANES, DESC_LANE_BASE, DESC_ROW_START, DESC_STORED_RAW, DESC_FIELDS = range(8)
 
 # The same numbers as the kernels see them (Triton reads only constexpr globals).
 _MAXBITS = tl.constexpr(MAXBITS)
@@ -43,6 +44,7 @@ _DESC_TOKENS = tl.constexpr(DESC_TOKENS)
 _DESC_LANES = tl.constexpr(DESC_LANES)
 _DESC_LANE_BASE = tl.constexpr(DESC_LANE_BASE)
 _DESC_ROW_START = tl.constexpr(DESC_ROW_START)
+_DESC_STORED_RAW = tl.constexpr(DESC_STORED_RAW)
 _DESC_FIELDS = tl.constexpr(DESC_FIELDS)
 
 
@@ -61,13 +63,16 @@ def code_table_kernel(src, desc, table, lane_start, status, HEADS: tl.constexpr,
     tokens = tl.load(desc + c * _DESC_FIELDS + _DESC_TOKENS)
     k = tl.load(desc + c * _DESC_FIELDS + _DESC_LANES)
     base = tl.load(desc + c * _DESC_FIELDS + _DESC_LANE_BASE)
+    stored_raw = tl.load(desc + c * _DESC_FIELDS + _DESC_STORED_RAW)
     end = off + length
     n = HEADS * tokens * DIM
     fixed = 2 + HEADS * DIM + n * RAW_BYTES
     version = _byte(src, off, end)
     mode = _byte(src, off + 1, end)
     bad = tl.where((length < fixed + 1) | (version != 2) | (mode > 1), _STATUS_HEADER, 0)
-    if mode == 1:
+    if stored_raw == 1:  # the values as they are (the container checked its length): nothing to build
+        bad = tl.where(length < 0, _STATUS_LENGTH, 0)
+    elif mode == 1:
         bad |= tl.where(length != fixed + 1, _STATUS_LENGTH, 0)
     else:
         at = off + fixed
@@ -136,7 +141,9 @@ def decode_kernel(src, desc, table, lane_start, status, rows, dst, row_base, HEA
         row_start = tl.load(desc + c * _DESC_FIELDS + _DESC_ROW_START)
         n = HEADS * tokens * DIM
         fixed = 2 + HEADS * DIM + n * RAW_BYTES
-        coded = _byte(src, off + 1, end) == 0  # else one symbol stands for every value
+        raw_word = tl.load(desc + c * _DESC_FIELDS + _DESC_STORED_RAW)
+        stored_raw = raw_word == 1  # the values as they are
+        coded = (_byte(src, off + 1, end) == 0) & (raw_word == 0)  # else one symbol stands for every value
         single = _byte(src, off + fixed, end)
         lane = first_lane + tl.arange(0, LANES)
         live_lane = lane < k
@@ -167,6 +174,11 @@ def decode_kernel(src, desc, table, lane_start, status, rows, dst, row_base, HEA
                 value = ((r & 0x800000) << 8) | (byte_ << 23) | (r & 0x7FFFFF)
             else:
                 value = byte_
+            if stored_raw:
+                at = off + i.to(tl.int64) * WIDTH
+                value = _byte(src, at, end)
+                for b in tl.static_range(1, WIDTH):
+                    value |= _byte(src, at + b, end) << (8 * b)
             target = tl.load(rows + row_start + row, mask=live, other=-1)
             tl.store(dst + row_base + target + d, value.to(dst.dtype.element_ty), mask=live & (target >= 0))
         if coded:

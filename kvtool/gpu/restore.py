@@ -33,7 +33,7 @@ class EntryChunks:
 
     ``data`` holds the entry's bytes; chunk ``i`` is ``data[offset[i]:offset[i] + length[i]]``, tokens
     ``[token_start[i], token_start[i] + tokens[i])`` of layer position ``layer[i]``'s keys (``kind`` 0) or
-    values (1). ``rows[kind]`` (``[heads, tokens]``) is each row's element offset from the start of that
+    values (1), ``stored_raw`` where the container stored it as its values. ``rows[kind]`` (``[heads, tokens]``) is each row's element offset from the start of that
     layer's key or value view (the same for every layer), -1 for a row left out.
     """
 
@@ -44,6 +44,7 @@ class EntryChunks:
     length: np.ndarray
     tokens: np.ndarray
     token_start: np.ndarray
+    stored_raw: np.ndarray
     rows: np.ndarray  # [2, heads, tokens] int64
 
 
@@ -97,6 +98,7 @@ class LayerwiseDecode:
         entry_of, index, layer, kind = entry_of[order], index[order], layer[order], kind[order]
         length = np.array([self._entries[e].length[i] for e, i in zip(entry_of, index)], np.int64)
         tokens = np.array([self._entries[e].tokens[i] for e, i in zip(entry_of, index)], np.int64)
+        stored_raw = np.array([self._entries[e].stored_raw[i] for e, i in zip(entry_of, index)], np.int64)
         offset = np.cumsum(length) - length
         host = torch.empty(int(length.sum()), dtype=torch.uint8, pin_memory=self._cuda)
         flat = host.numpy()
@@ -104,7 +106,7 @@ class LayerwiseDecode:
             source = int(self._entries[e].offset[i])
             flat[at : at + n] = self._entries[e].data[source : source + n]
         rows, row_start = self._row_table(entry_of, index, kind)
-        batch = describe(flat, offset, length, tokens, row_start, self._dtype_name, self._heads, self._dim)
+        batch = describe(flat, offset, length, tokens, row_start, self._dtype_name, self._heads, self._dim, stored_raw)
         self._chunk_entry = entry_of
         bounds = np.searchsorted(layer * 2 + kind, np.arange(2 * layers + 1))  # chunks of (layer, kind)
         if self._cuda:

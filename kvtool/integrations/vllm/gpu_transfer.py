@@ -3,7 +3,7 @@
 Imported only where the GPU path runs (it imports Triton). ``gpu_chunks`` turns an opened entry into what ``kvtool.gpu.restore`` decodes
 (its chunk table, checksums verified here, and where each row of each layer
 goes), or ``None`` where the GPU decoder does not apply (another recipe, a
-chunk stored raw, a dtype it does not write): that entry then takes the CPU
+dtype it does not write): that entry then takes the CPU
 decode, so a step may mix both.
 """
 
@@ -48,7 +48,7 @@ def gpu_chunks(reader: KvzReader, data: bytes | memoryview, layers: "PagedLayers
     index = reader.index
     keys, values, block_size = layers.keys[0], layers.values[0], layers.block_size
     block_ids, first_block = job.block_ids, job.first_block
-    if not gpu.decodes(reader.recipe) or np.any(index["flags"]) or gpu.dtype_name(keys.dtype) is None:
+    if not gpu.decodes(reader.recipe) or gpu.dtype_name(keys.dtype) is None:
         return None
     bytes_ = np.frombuffer(data, np.uint8)
     for row, entry in enumerate(index):
@@ -66,7 +66,8 @@ def gpu_chunks(reader: KvzReader, data: bytes | memoryview, layers: "PagedLayers
         rows.append(np.where(offsets >= 0, offsets // view.element_size() - view.storage_offset(), -1))
     return EntryChunks(
         bytes_, layer_pos, kind, index["offset"].astype(np.int64), index["stored_len"].astype(np.int64),
-        index["token_count"].astype(np.int64), index["token_start"].astype(np.int64), np.stack(rows),
+        index["token_count"].astype(np.int64), index["token_start"].astype(np.int64),
+        (index["flags"] & 1).astype(np.int64), np.stack(rows),
     )
 
 
