@@ -9,7 +9,7 @@ decode, so a step may mix both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,9 +20,6 @@ from kvtool.errors import KvtoolError
 from kvtool.gpu.restore import EntryChunks, LayerwiseDecode
 from kvtool.integrations.vllm.paged import row_offsets
 from kvtool.integrations.vllm.plan import LoadJob
-
-if TYPE_CHECKING:
-    from kvtool.integrations.vllm.transfer import PagedLayers
 
 
 def gpu_usable(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
@@ -42,9 +39,9 @@ def new_decoder(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) ->
     return LayerwiseDecode(list(keys), list(values), name)
 
 
-def gpu_chunks(reader: KvzReader, data: bytes | memoryview, layers: "PagedLayers", job: LoadJob) -> EntryChunks | None:
-    """The entry's chunks and where its rows go in ``layers``, for the GPU decoder, or None where it does not
-    apply. Stored checksums are verified here; ``KvzCorruptError`` names a mismatch."""
+def gpu_chunks(reader: KvzReader, data: bytes | memoryview, layers: Any, job: LoadJob) -> EntryChunks | None:
+    """The entry's chunks and where its rows go in ``layers`` (the step's ``transfer.PagedLayers``), for the GPU
+    decoder, or None where it does not apply. Stored checksums are verified here; ``KvzCorruptError`` names a mismatch."""
     index = reader.index
     keys, values, block_size = layers.keys[0], layers.values[0], layers.block_size
     block_ids, first_block = job.block_ids, job.first_block
@@ -71,7 +68,7 @@ def gpu_chunks(reader: KvzReader, data: bytes | memoryview, layers: "PagedLayers
     )
 
 
-def hand_over(decoder: LayerwiseDecode, pending: Sequence[Any], layers: "PagedLayers",
+def hand_over(decoder: LayerwiseDecode, pending: Sequence[Any], layers: Any,
               fail: Callable[[Any, str, str], None], is_failed: Callable[[Any], bool]) -> None:
     """Give ``decoder`` the opened entries it takes (``Restore``'s pending items: their reader is closed and
     cleared, ``gpu_index`` set) and queue every layer; the others stay for the CPU decode."""
