@@ -9,7 +9,7 @@ from kvtool.codecs import get_codec, registry
 from kvtool.testing import ArrayCodecTests, CodecTests
 
 SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "zstd:huff", "lz4:0", "lz4:9", "zlib:1", "zlib:6", "gzip:1", "gzip:9", "qat", "isal:1", "rans:1", "rans:3"]
-ARRAY_SPECS = ["exphuff", "ctxans", "ctxtans"]
+ARRAY_SPECS = ["exphuff", "exphuff-lanes", "exphuff-lanes:16", "ctxans", "ctxtans"]
 
 
 def test_every_registered_codec_is_covered():

@@ -40,8 +40,9 @@ static size_t coder_bound(const kvn_tans_model *m, const kvn_block *b) {
     return m ? kvn_tans_bound(b) : kvn_exphuff_bound(b);
 }
 
-static int coder_encode(const kvn_tans_model *m, const kvn_block *b, const void *src, uint8_t *dst, size_t *written) {
-    return m ? kvn_tans_encode(m, b, src, dst, written) : kvn_exphuff_encode(b, src, dst, written);
+static int coder_encode(const kvn_tans_model *m, const kvn_block *b, const void *src, uint8_t *dst, size_t *written,
+                        unsigned lane) {
+    return m ? kvn_tans_encode(m, b, src, dst, written) : kvn_exphuff_encode(b, src, dst, written, lane);
 }
 
 static int coder_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
@@ -83,12 +84,14 @@ static int parse_geometry(int dtype, Py_ssize_t heads, Py_ssize_t tokens, Py_ssi
     return 0;
 }
 
-/* exphuff_encode(block, dtype, heads, tokens, dim) -> bytes; block is C-contiguous [heads, tokens, dim]. */
+/* exphuff_encode(block, dtype, heads, tokens, dim, lane=0) -> bytes; block is C-contiguous [heads, tokens, dim];
+ * lane > 0: exphuff-lanes (chunk version 2) with that many symbols per lane. */
 static PyObject *py_exphuff_encode(PyObject *self, PyObject *args) {
     Py_buffer buf;
     int dtype;
+    unsigned lane = 0;
     Py_ssize_t heads, tokens, dim;
-    if (!PyArg_ParseTuple(args, "y*innn", &buf, &dtype, &heads, &tokens, &dim)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*innn|I", &buf, &dtype, &heads, &tokens, &dim, &lane)) return NULL;
     size_t n;
     if (parse_geometry(dtype, heads, tokens, dim, buf.len, &n)) { PyBuffer_Release(&buf); return NULL; }
     kvn_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, (size_t)tokens * (size_t)dim};
@@ -97,7 +100,7 @@ static PyObject *py_exphuff_encode(PyObject *self, PyObject *args) {
     size_t written = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvn_exphuff_encode(&b, buf.buf, (uint8_t *)PyBytes_AS_STRING(out), &written);
+    rc = kvn_exphuff_encode(&b, buf.buf, (uint8_t *)PyBytes_AS_STRING(out), &written, lane);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&buf);
     if (rc) { Py_DECREF(out); return rc == KVN_ERR_NOMEM ? PyErr_NoMemory() : error_status(rc); }
@@ -195,17 +198,19 @@ static void copy_tokens(uint8_t *dst, size_t dst_head, const uint8_t *src, size_
     for (size_t h = 0; h < heads; h++) memcpy(dst + h * dst_head, src + h * src_head, count * row_bytes);
 }
 
-/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded[, model]) -> (blob, meta)
+/* encode_blocks(tensor, dtype, heads, tokens, dim, chunk_tokens, coded[, model[, lane]]) -> (blob, meta)
  * Cuts a C-contiguous tensor [heads, tokens, dim] into blocks of chunk_tokens tokens; each is
- * coded when `coded` and that is smaller, else stored as its C-order bytes: exphuff, or ctxtans
- * when `model` is a ctxtans model. */
+ * coded when `coded` and that is smaller, else stored as its C-order bytes: exphuff (exphuff-lanes
+ * when `lane`), or ctxtans when `model` is a ctxtans model. */
 static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     Py_buffer buf;
     int dtype, coded;
+    unsigned lane = 0;
     Py_ssize_t heads, tokens, dim, chunk;
     PyObject *model_obj = NULL;
     const kvn_tans_model *model;
-    if (!PyArg_ParseTuple(args, "y*innnnp|O", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded, &model_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*innnnp|OI", &buf, &dtype, &heads, &tokens, &dim, &chunk, &coded, &model_obj, &lane))
+        return NULL;
     size_t n;
     if (batch_model(model_obj, &model) || parse_geometry(dtype, heads, tokens, dim, buf.len, &n) || chunk < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "chunk tokens must be >= 1");
@@ -248,7 +253,7 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
         size_t written = raw_len;
         if (coded) {
             kvn_block b = {dtype, (size_t)heads, tb, (size_t)dim, tb * (size_t)dim};
-            rc = coder_encode(model, &b, block, out + pos, &written);
+            rc = coder_encode(model, &b, block, out + pos, &written, lane);
         }
         if (rc) break;
         if (!coded || written >= raw_len) {

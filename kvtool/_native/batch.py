@@ -4,8 +4,8 @@ Calling the core once per chunk from Python would cost more than the chunk's
 coding. ``BatchCodec`` hands the core a whole tensor to cut and encode, or a
 batch of chunks to verify and decode into one output array, with the GIL
 released throughout, so a thread pool scales with the cores. It serves the
-recipes the core implements end to end: ``exphuff``, ``ctxtans`` (with its
-dictionary's tables, built once) and ``none`` (no layouts).
+recipes the core implements end to end: ``exphuff``, ``exphuff-lanes``, ``ctxtans``
+(with its dictionary's tables, built once) and ``none`` (no layouts).
 Every other recipe, and every recipe without the core, takes the .kvz reader's
 and writer's per-chunk path, which writes the same bytes. The core's job records
 (``JOB_DTYPE``) are built here and nowhere else.
@@ -30,8 +30,9 @@ Buffer = Union[bytes, bytearray, memoryview]
 class BatchCodec:
     core: ModuleType  # the compiled extension
     dtype_code: int
-    coded: bool  # exphuff or ctxtans; otherwise every chunk is the block's bytes as they are
+    coded: bool  # exphuff, exphuff-lanes or ctxtans; otherwise every chunk is the block's bytes as they are
     model: object = None  # ctxtans: the core's copy of its dictionary's tables; None: exphuff
+    lane: int = 0  # exphuff-lanes' symbols per lane; 0 for exphuff
 
     @classmethod
     def for_recipe(cls, recipe: Any, dtype: np.dtype) -> "BatchCodec | None":
@@ -45,16 +46,17 @@ class BatchCodec:
         except UsageError:
             return None
         codec_id = recipe.codec.codec_id
-        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "ctxtans", "none"):
+        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "exphuff-lanes", "ctxtans", "none"):
             return None
         model = recipe.codec.model() if codec_id == "ctxtans" else None
-        return cls(core, _native.DTYPE_CODES[name], codec_id != "none", model)
+        return cls(core, _native.DTYPE_CODES[name], codec_id != "none", model, int(getattr(recipe.codec, "lane", 0)))
 
     def encode_tensor(self, tensor: np.ndarray, chunk_tokens: int) -> tuple[bytes, np.ndarray]:
         """The chunks of a ``[heads, tokens, dim]`` tensor back to back, and per chunk its BLOCK_META_DTYPE record."""
         contiguous = np.ascontiguousarray(tensor)
         blob, meta = self.core.encode_blocks(
-            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded, self.model
+            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded, self.model,
+            self.lane,
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
 

@@ -258,7 +258,7 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
     if (8 * huffman_bits(b, sym, back) < dict_cost) { /* the dictionary does not fit: per-chunk statistics */
         dst[0] = VERSION;
         dst[1] = MODE_EXPHUFF;
-        rc = kvn_exphuff_encode(b, src, dst + 2, written);
+        rc = kvn_exphuff_encode(b, src, dst + 2, written, 0);
         *written += 2;
         goto done;
     }

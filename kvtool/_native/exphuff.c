@@ -12,12 +12,15 @@
  * Chunk (little-endian), docs/FORMAT.md has the full description:
  *   u8 version (1) | u8 mode | refs[heads * dim] | raw plane | mode 1: u8 symbol
  *   mode 0: used-symbol bitmap[32] | 4-bit code lengths | u32 stream lengths[4] | streams
+ * Version 2 (exphuff-lanes, for parallel decoders; lanes.c): the same up to the raw plane, then
+ *   mode 0: u16 symbols per lane L | bitmap | lengths | u16 lane lengths[ceil(N / L)] | lanes
  */
 #include <stdlib.h>
 
 #include "huffman.h"
 
 #define VERSION 1
+#define VERSION_LANES 2
 #define MODE_CODED 0
 #define MODE_ONE_SYMBOL 1
 
@@ -49,7 +52,8 @@ static size_t header_size(const kvn_block *b) { return 2 + b->heads * b->dim; }
 size_t kvn_exphuff_bound(const kvn_block *b) {
     size_t n = b->heads * b->tokens * b->dim;
     size_t streams = (n * KVN_HUF_MAXBITS + 7) / 8 + KVN_HUF_STREAMS * 2;
-    return header_size(b) + n * FAMILIES[b->dtype].raw_bytes + 32 + 128 + 16 + streams + 8;
+    size_t lanes = 2 + 3 * (n / KVN_LANE_MIN + 1);  /* version 2: L, a u16 and a partial byte per lane */
+    return header_size(b) + n * FAMILIES[b->dtype].raw_bytes + 32 + 128 + 16 + streams + lanes + 8;
 }
 
 /* ---- splitting values ----------------------------------------------------------------- */
@@ -192,14 +196,15 @@ static void histogram(const uint8_t *sym, size_t n, uint32_t count[256]) {
 
 /* ---- encode --------------------------------------------------------------------------- */
 
-int kvn_exphuff_encode(const kvn_block *b, const void *src_, uint8_t *dst, size_t *written) {
+int kvn_exphuff_encode(const kvn_block *b, const void *src_, uint8_t *dst, size_t *written, unsigned lane) {
     int rc = check_block(b);
     if (rc) return rc;
+    if (lane && (lane < KVN_LANE_MIN || lane > KVN_LANE_MAX)) return KVN_ERR_ARG;
     const family *f = &FAMILIES[b->dtype];
     const uint8_t *src = src_;
     size_t n = b->heads * b->tokens * b->dim, channels = b->heads * b->dim;
     uint8_t *refs = dst + 2, *raw = refs + channels, *p = raw + n * f->raw_bytes;
-    dst[0] = VERSION;
+    dst[0] = lane ? VERSION_LANES : VERSION;
     uint8_t *sym = malloc(n + 1);
     uint8_t *streams = malloc(KVN_HUF_STREAMS * (((n + KVN_HUF_STREAMS - 1) / KVN_HUF_STREAMS * KVN_HUF_MAXBITS + 7) / 8 + 8));
     uint32_t *sum = malloc((b->dim + 1) * sizeof(uint32_t));
@@ -218,6 +223,10 @@ int kvn_exphuff_encode(const kvn_block *b, const void *src_, uint8_t *dst, size_
         goto done;
     }
     dst[1] = MODE_CODED;
+    if (lane) {
+        *p++ = (uint8_t)lane;
+        *p++ = (uint8_t)(lane >> 8);
+    }
     memset(p, 0, 32);
     for (int s = 0; s < 256; s++)
         if (len[s]) p[s >> 3] |= (uint8_t)(1u << (s & 7));
@@ -232,6 +241,12 @@ int kvn_exphuff_encode(const kvn_block *b, const void *src_, uint8_t *dst, size_
     p += (used + 1) / 2;
     uint16_t code[256];
     kvn_huf_codes(len, code);
+    if (lane) {
+        size_t k = (n + lane - 1) / lane, bytes;
+        kvn_huf_encode_lanes(sym, n, k, code, len, p, p + 2 * k, &bytes);
+        *written = (size_t)(p + 2 * k + bytes - dst);
+        goto done;
+    }
     uint8_t *lens = p;
     p += 4 * KVN_HUF_STREAMS;
     size_t seg = (n + KVN_HUF_STREAMS - 1) / KVN_HUF_STREAMS, room = (seg * KVN_HUF_MAXBITS + 7) / 8 + 8;
@@ -255,6 +270,18 @@ done:
 
 /* ---- decode --------------------------------------------------------------------------- */
 
+/* Version 2's lane table and lanes, from `p` to the chunk's end, into n symbols. */
+static int decode_lanes(const uint8_t len[256], const uint8_t *p, const uint8_t *end, uint8_t *sym, size_t n, size_t lane) {
+    size_t k = (n + lane - 1) / lane;
+    if ((size_t)(end - p) / 2 < k) return KVN_ERR_CORRUPT;
+    kvn_huf_entry *lut = malloc(sizeof(kvn_huf_entry) * KVN_HUF_LUT_SIZE);
+    if (!lut) return KVN_ERR_NOMEM;
+    int rc = kvn_huf_table(len, lut);
+    if (!rc) rc = kvn_huf_decode_lanes(lut, p, k, p + 2 * k, (size_t)(end - p) - 2 * k, sym, n);
+    free(lut);
+    return rc;
+}
+
 int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len_, void *dst) {
     int rc = check_block(b);
     if (rc) return rc;
@@ -262,7 +289,7 @@ int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len_, void
     size_t n = b->heads * b->tokens * b->dim, channels = b->heads * b->dim;
     const uint8_t *end = src + len_;
     size_t fixed = 2 + channels + n * f->raw_bytes;
-    if (len_ < fixed + 1 || src[0] != VERSION || src[1] > MODE_ONE_SYMBOL) return KVN_ERR_CORRUPT;
+    if (len_ < fixed + 1 || (src[0] != VERSION && src[0] != VERSION_LANES) || src[1] > MODE_ONE_SYMBOL) return KVN_ERR_CORRUPT;
     const uint8_t *refs = src + 2, *raw = refs + channels, *p = raw + n * f->raw_bytes;
     unsigned eref_max = f->emask >> f->eshift;
     for (size_t c = 0; c < channels; c++)
@@ -273,12 +300,19 @@ int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len_, void
         if (len_ != fixed + 1) { rc = KVN_ERR_CORRUPT; goto done; }
         memset(sym, *p, n);
     } else {
+        size_t lane = 0;
+        if (src[0] == VERSION_LANES) {
+            if ((size_t)(end - p) < 2) { rc = KVN_ERR_CORRUPT; goto done; }
+            lane = (size_t)p[0] | (size_t)p[1] << 8;
+            p += 2;
+            if (lane < KVN_LANE_MIN || lane > KVN_LANE_MAX) { rc = KVN_ERR_CORRUPT; goto done; }
+        }
         if ((size_t)(end - p) < 32) { rc = KVN_ERR_CORRUPT; goto done; }
         const uint8_t *bitmap = p;
         p += 32;
         int used = 0;
         for (int i = 0; i < 32; i++) used += __builtin_popcount(bitmap[i]);
-        if (used < 2 || (size_t)(end - p) < (size_t)(used + 1) / 2 + 4 * KVN_HUF_STREAMS) { rc = KVN_ERR_CORRUPT; goto done; }
+        if (used < 2 || (size_t)(end - p) < (size_t)(used + 1) / 2 + (lane ? 0 : 4 * KVN_HUF_STREAMS)) { rc = KVN_ERR_CORRUPT; goto done; }
         uint8_t len[256] = {0};
         int k = 0;
         for (int s = 0; s < 256; s++) {
@@ -289,6 +323,12 @@ int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len_, void
         }
         if ((used & 1) && (p[used >> 1] >> 4)) { rc = KVN_ERR_CORRUPT; goto done; }
         p += (used + 1) / 2;
+        if (lane) {
+            rc = decode_lanes(len, p, end, sym, n, lane);
+            if (rc) goto done;
+            merge(f, b, sym, raw, refs, sym + n + 32, dst);
+            goto done;
+        }
         size_t stream_len[KVN_HUF_STREAMS], total = 0;
         for (int j = 0; j < KVN_HUF_STREAMS; j++) {
             stream_len[j] = kvn_rd32(p + 4 * j);

@@ -34,5 +34,12 @@ void kvn_huf_encode4(const uint8_t *sym, size_t n, const uint16_t code[256], con
  * Bytes up to `readable_end` may be read (not used) past the streams. */
 int kvn_huf_decode4(const kvn_huf_entry *lut, const uint8_t *in, const size_t stream_len[KVN_HUF_STREAMS],
                     const uint8_t *readable_end, uint8_t *out, size_t n);
+/* exphuff version 2 (lanes.c): symbol i to lane i % k, each lane byte-padded, its length a u16
+ * (little-endian) in lane_len; the lanes back to back at out, their total in *written. */
+void kvn_huf_encode_lanes(const uint8_t *sym, size_t n, size_t k, const uint16_t code[256], const uint8_t len[256],
+                          uint8_t *lane_len, uint8_t *out, size_t *written);
+/* Decode k lanes (lengths in lane_len, `size` bytes back to back at `in`) into n symbols. */
+int kvn_huf_decode_lanes(const kvn_huf_entry *lut, const uint8_t *lane_len, size_t k, const uint8_t *in, size_t size,
+                         uint8_t *out, size_t n);
 
 #endif

@@ -51,9 +51,13 @@ enum kvn_status {
 size_t kvn_itemsize(int dtype);
 /* An upper bound on the bytes kvn_exphuff_encode writes for a block. */
 size_t kvn_exphuff_bound(const kvn_block *b);
-/* Encode the block at `src` into `dst` (room for kvn_exphuff_bound bytes); the chunk length in *written. */
-int kvn_exphuff_encode(const kvn_block *b, const void *src, uint8_t *dst, size_t *written);
-/* Decode a chunk into the block at `dst` (laid out as b describes). */
+/* exphuff-lanes (chunk version 2) takes KVN_LANE_MIN..KVN_LANE_MAX symbols per lane stream. */
+#define KVN_LANE_MIN 16
+#define KVN_LANE_MAX 16384
+/* Encode the block at `src` into `dst` (room for kvn_exphuff_bound bytes); the chunk length in *written.
+ * `lane` 0 writes version 1 (four streams), else version 2 with `lane` symbols per lane. */
+int kvn_exphuff_encode(const kvn_block *b, const void *src, uint8_t *dst, size_t *written, unsigned lane);
+/* Decode a chunk of either version into the block at `dst` (laid out as b describes). */
 int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len, void *dst);
 
 /* ---- int: the lossy int:BITS stage, both ways (see intquant.c) ---- */

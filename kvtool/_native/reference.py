@@ -187,9 +187,8 @@ def _rebuild(coded: np.ndarray, raw: np.ndarray, family: Family) -> np.ndarray:
     return coded
 
 
-def encode(block: np.ndarray, dtype_name: str) -> bytes:
-    """The exphuff chunk of a block ``[heads, tokens, dim]`` (any strides)."""
-    family = FAMILIES[dtype_name]
+def split_symbols(block: np.ndarray, family: Family) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A block's channel references, raw plane and symbols (C order): what every exphuff version codes."""
     heads, tokens, dim = block.shape
     coded, raw = _fields(block, family)
     exps = (coded & family.emask) >> family.eshift
@@ -200,21 +199,32 @@ def encode(block: np.ndarray, dtype_name: str) -> bytes:
     shifted = (refs << family.eshift).astype(np.uint8)[:, None, :]
     keep = np.uint8(~family.emask & 0xFF)
     sym = ((coded & keep) | ((coded - shifted) & np.uint8(family.emask))).reshape(-1)
-    length = huffman_lengths(np.bincount(sym, minlength=256))
-    head = bytes([VERSION]) + refs.tobytes() + raw.tobytes()
+    return refs, raw, sym
+
+
+def write_code_table(length: np.ndarray) -> bytes:
+    """The used-symbol bitmap and the 4-bit code lengths of a code of >= 2 symbols."""
     used = np.flatnonzero(length)
-    if len(used) <= 1:
-        return head[:1] + bytes([MODE_ONE_SYMBOL]) + head[1:] + bytes([int(sym[0]) if sym.size else 0])
     bitmap = np.zeros(256, np.uint8)
     bitmap[used] = 1
     nibbles = length[used]
     if len(nibbles) % 2:
         nibbles = np.append(nibbles, 0)
-    table = np.packbits(bitmap, bitorder="little").tobytes() + (nibbles[0::2] | nibbles[1::2] << 4).astype(np.uint8).tobytes()
+    return np.packbits(bitmap, bitorder="little").tobytes() + (nibbles[0::2] | nibbles[1::2] << 4).astype(np.uint8).tobytes()
+
+
+def encode(block: np.ndarray, dtype_name: str) -> bytes:
+    """The exphuff chunk of a block ``[heads, tokens, dim]`` (any strides)."""
+    family = FAMILIES[dtype_name]
+    refs, raw, sym = split_symbols(block, family)
+    length = huffman_lengths(np.bincount(sym, minlength=256))
+    head = bytes([VERSION]) + refs.tobytes() + raw.tobytes()
+    if np.count_nonzero(length) <= 1:
+        return head[:1] + bytes([MODE_ONE_SYMBOL]) + head[1:] + bytes([int(sym[0]) if sym.size else 0])
     codes = canonical_codes(length)
     streams = [_pack(sym[start : start + count], codes, length) for start, count in segments(sym.size)]
     sizes = np.array([len(s) for s in streams], "<u4").tobytes()
-    return head[:1] + bytes([MODE_CODED]) + head[1:] + table + sizes + b"".join(streams)
+    return head[:1] + bytes([MODE_CODED]) + head[1:] + write_code_table(length) + sizes + b"".join(streams)
 
 
 def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -237,30 +247,43 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, ...]) -
         sym = np.full(n, rest[0], np.uint8)
     else:
         sym = _decode_symbols(rest, n)
+    return merge_symbols(sym, refs, raw, family, shape)
+
+
+def merge_symbols(sym: np.ndarray, refs: np.ndarray, raw: np.ndarray, family: Family, shape: tuple[int, ...]) -> np.ndarray:
+    """The values (unsigned integers of the dtype's width) that symbols, references and raw bits stand for."""
+    heads, _, dim = shape
     shifted = (refs.reshape(heads, 1, dim) << family.eshift).astype(np.uint8)
-    sym = sym.reshape(shape)  # type: ignore[assignment]  # numpy's stubs cannot follow a reshape to 3 axes
+    sym = sym.reshape(shape)
     keep = np.uint8(~family.emask & 0xFF)
     coded = (sym & keep) | ((sym + shifted) & np.uint8(family.emask))
     return _rebuild(coded, raw, family)
 
 
-def _decode_symbols(rest: bytes, n: int) -> np.ndarray:
-    if len(rest) < 32:
-        raise DecodeError("exphuff: truncated code table")
-    used = np.flatnonzero(np.unpackbits(np.frombuffer(rest[:32], np.uint8), bitorder="little"))
+def read_code_table(data: bytes, at: int, name: str = "exphuff") -> tuple[np.ndarray, int]:
+    """The code lengths of the table at ``data[at:]``, checked to form a complete code, and where the table ends."""
+    if len(data) < at + 32:
+        raise DecodeError(f"{name}: truncated code table")
+    used = np.flatnonzero(np.unpackbits(np.frombuffer(data, np.uint8, 32, at), bitorder="little"))
     table_len = (len(used) + 1) // 2
-    if len(used) < 2 or len(rest) < 32 + table_len + 4 * STREAMS:
-        raise DecodeError("exphuff: bad code table")
-    packed = np.frombuffer(rest, np.uint8, table_len, 32)
+    if len(used) < 2 or len(data) < at + 32 + table_len:
+        raise DecodeError(f"{name}: bad code table")
+    packed = np.frombuffer(data, np.uint8, table_len, at + 32)
     nibbles = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)
     if len(used) % 2 and nibbles[-1]:
-        raise DecodeError("exphuff: bad code table padding")
+        raise DecodeError(f"{name}: bad code table padding")
     length = np.zeros(256, np.uint8)
     length[used] = nibbles[: len(used)]
     kraft = sum(1 << (MAXBITS - int(b)) for b in length[used] if 1 <= b <= MAXBITS)
     if np.any(length[used] == 0) or np.any(length > MAXBITS) or kraft != 1 << MAXBITS:
-        raise DecodeError("exphuff: the code lengths do not form a complete code")
-    at = 32 + table_len
+        raise DecodeError(f"{name}: the code lengths do not form a complete code")
+    return length, at + 32 + table_len
+
+
+def _decode_symbols(rest: bytes, n: int) -> np.ndarray:
+    length, at = read_code_table(rest, 0)
+    if len(rest) < at + 4 * STREAMS:
+        raise DecodeError("exphuff: bad code table")
     sizes = np.frombuffer(rest, "<u4", STREAMS, at).astype(np.int64)
     at += 4 * STREAMS
     if int(sizes.sum()) != len(rest) - at:

@@ -32,6 +32,8 @@ def codecs(json_out: bool = JSON_OPTION):
     for row in rows:
         row["status"] = "available" if row["available"] else "unavailable"
         row["runs on (or why not)"] = row["implementation"] if row["available"] else row["reason"]
+        if "gpu" in row:  # a codec with a GPU decoder says whether it runs here
+            row["runs on (or why not)"] += f"; GPU decode: {row['gpu_implementation'] or 'unavailable, ' + row['gpu_reason']}"
     print_table(rows, ["id", "status", "runs on (or why not)"])
 
 

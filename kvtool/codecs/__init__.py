@@ -27,6 +27,7 @@ registry: ComponentRegistry[Codec] = ComponentRegistry(
         "isal": ("kvtool.codecs.isal:IsalCodec", "isal"),  # gzip through ISA-L, forced; older "isal" configs
         "rans": ("kvtool.codecs.rans:RansCodec", "rans"),
         "exphuff": "kvtool.codecs.exphuff:ExpHuffCodec",
+        "exphuff-lanes": "kvtool.codecs.exphuff_lanes:ExpHuffLanesCodec",
         "ctxans": "kvtool.codecs.ctxans:CtxAnsCodec",
         "ctxtans": "kvtool.codecs.ctxtans:CtxTansCodec",
     },

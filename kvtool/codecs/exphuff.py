@@ -16,6 +16,8 @@ format is in docs/FORMAT.md.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
 from kvtool import _native
@@ -29,37 +31,50 @@ _CORE_ERRORS = {1: "malformed chunk", 3: "geometry the chunk does not fit"}
 
 class ExpHuffCodec(NativeArrayCodec):
     codec_id = "exphuff"
-    spec_param = None
+    spec_param: ClassVar[str | None] = None
     families = reference.FAMILIES
-
+    #: The chunk version this id writes; ``decode_array`` refuses another (the core's batch calls read both).
+    chunk_version = reference.VERSION
 
     def _name(self, dtype: np.dtype) -> str:
         if not self.supports(dtype):
-            raise UsageError(f"codec 'exphuff' codes {', '.join(reference.FAMILIES)} tensors, not {np.dtype(dtype)}")
+            raise UsageError(f"codec {self.codec_id!r} codes {', '.join(reference.FAMILIES)} tensors, not {np.dtype(dtype)}")
         return dtype_of(np.dtype(dtype)).name
+
+    def _encode_args(self) -> tuple[int, ...]:
+        """Extra arguments of the core's encoder: none for version 1."""
+        return ()
+
+    def _reference_encode(self, block: np.ndarray, name: str) -> bytes:
+        return reference.encode(block, name)
+
+    def _reference_decode(self, chunk: memoryview, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return reference.decode(chunk, name, shape)
 
     def encode_array(self, block: np.ndarray) -> bytes:
         name = self._name(block.dtype)
         if block.ndim != 3:
-            raise UsageError(f"codec 'exphuff' takes [heads, tokens, dim] blocks, not shape {list(block.shape)}")
+            raise UsageError(f"codec {self.codec_id!r} takes [heads, tokens, dim] blocks, not shape {list(block.shape)}")
         core = _native.core()
         if core is None:
-            return reference.encode(block, name)
+            return self._reference_encode(block, name)
         contiguous = np.ascontiguousarray(block)
-        return core.exphuff_encode(_native.byte_view(contiguous), _native.DTYPE_CODES[name], *block.shape)
+        return core.exphuff_encode(_native.byte_view(contiguous), _native.DTYPE_CODES[name], *block.shape, *self._encode_args())
 
     def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
         name = self._name(dtype)
         if out is None:
             out = np.empty(shape, dtype)
         elif tuple(out.shape) != tuple(shape) or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
-            raise UsageError(f"exphuff decodes into a C-contiguous {list(shape)} {np.dtype(dtype)} array")
+            raise UsageError(f"{self.codec_id} decodes into a C-contiguous {list(shape)} {np.dtype(dtype)} array")
+        chunk = as_memoryview(buf)
+        if len(chunk) and chunk[0] != self.chunk_version:
+            raise DecodeError(f"{self.codec_id}: not a chunk of this format (version {chunk[0]})")
         core = _native.core()
         if core is None:
-            out.view(f"u{out.itemsize}")[...] = reference.decode(as_memoryview(buf), name, tuple(shape))
+            out.view(f"u{out.itemsize}")[...] = self._reference_decode(chunk, name, tuple(shape))
             return out
-        status = core.exphuff_decode(as_memoryview(buf), _native.byte_view(out), _native.DTYPE_CODES[name], *shape)
+        status = core.exphuff_decode(chunk, _native.byte_view(out), _native.DTYPE_CODES[name], *shape)
         if status:
-            raise DecodeError(f"exphuff: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
+            raise DecodeError(f"{self.codec_id}: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
         return out
-

@@ -212,6 +212,8 @@ CASES: dict[str, tuple[str, Callable[[], bytes], str]] = {
     "other-bytes-same-size": ("a chunk holding another valid frame of the right size", payload_edit(0, lambda n: zstandard.ZstdCompressor().compress(bytes(n))), "KvzCorruptError"),
     "exphuff-garbage": ("an exphuff chunk of garbage for the native decoder", payload_edit(1, lambda n: bytes(range(256)) * 3, "exphuff"), "KvzCorruptError"),
     "exphuff-zeros": ("an exphuff chunk of zeros, its plane's length", payload_edit(0, lambda n: bytes(n), "exphuff"), "KvzCorruptError"),
+    "exphuff-lanes-garbage": ("an exphuff-lanes chunk of garbage after its version byte", payload_edit(1, lambda n: b"\x02" + bytes(range(256)) * 3, "exphuff-lanes:16"), "KvzCorruptError"),
+    "exphuff-lanes-wide": ("an exphuff-lanes chunk claiming 65535 symbols per lane", payload_edit(2, lambda n: b"\x02\x00" + bytes(n // 2) + b"\xff\xff" + bytes(64), "exphuff-lanes:16"), "KvzCorruptError"),
     "garbage-chunk": ("a chunk of garbage with a matching stored checksum", payload_edit(5, lambda n: bytes(range(256)) * 2), "KvzCorruptError"),
 }
 

@@ -31,7 +31,8 @@ LAYOUT_RECIPES = {
     "layout-sx-split-rans": "channel-major|sx-split|rans:192,mant=none",
 }
 # ctxans names its dictionary: the one kvtool ships (kvtool/modeldict/default.kvd), which stays shipped.
-ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0",
+ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-exphuff-lanes": "exphuff-lanes:16",
+                 "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0",
                  "array-ctxtans": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0"}
 LOSSY_RECIPES = {
     "lossy-int4-kivi": "int:4,group=4|zstd:1",

@@ -11,6 +11,12 @@ right after each layer is written; ``encode_and_store`` then compresses and
 stores them off the forward path. The copies are taken before the step ends,
 so vLLM may reuse the blocks at once.
 
+On CUDA, entries the GPU decodes (``exphuff-lanes``) go from pinned memory to
+the device and are decoded there into the paged blocks, layer by layer on side
+streams (``kvtool.gpu.restore``), the forward pass's stream waiting on the
+device; other entries take the CPU decode. Capture copies to pinned memory on
+a side stream.
+
 A restore that fails for any reason (entry missing or damaged, a store that
 is down, an entry that does not fit the model) marks the blocks of that entry
 and of every later entry of the request as failed; the connector reports them
@@ -23,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -31,13 +37,18 @@ import torch
 from kvtool.cache import KVCache, ModelFacts
 from kvtool.kvz import KvzReader, encode_cache
 from kvtool.errors import KvtoolError
+from kvtool import gpu
+from kvtool.integrations.vllm.device_capture import DeviceCapture
 from kvtool.integrations.vllm.stats import StatsCollector
-from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes
+from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes, to_numpy
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.store import MissCause, Store
 
 # How a store's reason for a miss is counted among the restore failures (``stats.FAILURE_CAUSES``).
 FAILURE_OF_MISS = {MissCause.MISSING: "missing", MissCause.DAMAGED: "damaged", MissCause.UNREACHABLE: "store_error"}
+
+if TYPE_CHECKING:
+    from kvtool.gpu.restore import LayerwiseDecode
 
 log = logging.getLogger("kvtool.vllm")
 
@@ -73,6 +84,8 @@ class _Pending:
     job: LoadJob
     reader: KvzReader | None = None
     tier: str = ""
+    data: bytes | memoryview = b""  # the entry's bytes, for the GPU decoder
+    gpu_index: int = -1  # its index in the step's GPU decode, when it takes that path
 
 
 @dataclass
@@ -105,7 +118,10 @@ class Restore:
         layers: PagedLayers,
         jobs: dict[str, list[LoadJob]],
         stats: StatsCollector | None = None,
+        gpu_decode: bool | None = None,
     ) -> None:
+        """``gpu_decode``: decode on the GPU where an entry's recipe allows (None: where the paged tensors are
+        on CUDA and ``kvtool.gpu`` can run)."""
         self._store = store
         self._key_of = key_of
         self._layers = layers
@@ -120,6 +136,8 @@ class Restore:
         self._thread: threading.Thread | None = None
         self.times = RestoreTimes()
         self._started = 0.0
+        self._gpu_decode = gpu_decode
+        self._gpu: LayerwiseDecode | None = None
 
     # -- driving ------------------------------------------------------------------------
     def start(self, background: bool) -> None:
@@ -127,6 +145,12 @@ class Restore:
         where a CPU cache lets each entry be decoded straight into its paged blocks."""
         self._started = time.perf_counter()
         self._direct = not background and all(k.device.type == "cpu" for k in self._layers.keys)
+        keys, values = self._layers.keys, self._layers.values
+        use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].is_cuda and gpu.status()[0]
+        if use_gpu and not self._direct:
+            from kvtool.integrations.vllm import gpu_transfer  # imports Triton
+
+            self._gpu = gpu_transfer.new_decoder(keys, values) if gpu_transfer.gpu_usable(keys, values) else None
         if background:
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
             self._thread.start()
@@ -139,6 +163,8 @@ class Restore:
             return
         waited = time.perf_counter()
         self._ready[index].wait()
+        if self._gpu is not None:
+            self._gpu.wait_layer(index)
         copying = time.perf_counter()
         self.times.blocked += copying - waited
         for block_ids, k, v in self._decoded[index] or ():
@@ -157,6 +183,10 @@ class Restore:
             self.copy_layer(index)
         if self._thread is not None:
             self._thread.join()
+        if self._gpu is not None:
+            by_index = {p.gpu_index: p for p in self._pending if p.gpu_index >= 0}
+            for index, word in self._gpu.failures().items():
+                self._fail(by_index[index], f"GPU decode status {word}", "decode_error")
         self._report()
         return self.failed_block_ids()
 
@@ -185,6 +215,10 @@ class Restore:
                 for p in self._pending:
                     self._decode_into_pages(p)
             else:
+                if self._gpu is not None:
+                    from kvtool.integrations.vllm.gpu_transfer import hand_over
+
+                    hand_over(self._gpu, self._pending, self._layers, self._fail, self._is_failed)
                 for index in range(len(self._ready)):
                     self._decoded[index] = self._decode_layer(index)
                     self._ready[index].set()
@@ -211,6 +245,7 @@ class Restore:
                            FAILURE_OF_MISS[fetched.cause])
                 return
             reader = KvzReader.from_bytes(entry.value)
+            p.data = entry.value
         except KvtoolError as exc:
             self._fail(p, str(exc), "store_error")
             return
@@ -324,15 +359,25 @@ class Capture:
     jobs: dict[str, list[SaveJob]]
     num_layers: int
     arrays: dict[str, list[list[np.ndarray | None]]] = field(default_factory=dict)  # entry -> [keys, values]
+    device: DeviceCapture | None = None  # CUDA: copies in flight on a side stream
 
     def take_layer(self, index: int, layers: PagedLayers) -> None:
+        key_view, value_view = layers.keys[index], layers.values[index]
+        if key_view.is_cuda and self.device is None:
+            self.device = DeviceCapture(key_view.device)
         for job in (j for js in self.jobs.values() for j in js):
             k, v = self.arrays.setdefault(job.entry_id, [[None] * self.num_layers, [None] * self.num_layers])
-            k[index] = gather_blocks(layers.keys[index], job.block_ids)
-            v[index] = gather_blocks(layers.values[index], job.block_ids)
+            if self.device is not None:
+                k[index] = to_numpy(self.device.gather(key_view, job.block_ids))
+                v[index] = to_numpy(self.device.gather(value_view, job.block_ids))
+            else:
+                k[index] = gather_blocks(key_view, job.block_ids)
+                v[index] = gather_blocks(value_view, job.block_ids)
 
     def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
-        """Entries with every layer captured, except those of ``skip_requests``."""
+        """Entries with every layer captured, except those of ``skip_requests`` (waits for copies in flight)."""
+        if self.device is not None:
+            self.device.finish()
         done: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
         for rid, jobs in self.jobs.items():
             if rid in skip_requests:
