@@ -7,7 +7,8 @@ SPEC: {"model": DIR, "store": URL or null (no connector: vLLM alone), "prefix_ca
 Then one JSON command a line on stdin: {"prompts": [{"text": ... or "token_ids": [...],
 "salt": ... or null}], "max_tokens": 8} (or {"reset": true}: empty vLLM's prefix cache),
 and one JSON line a command on stdout, prefixed ``RESULT ``:
-{"results": [{"tokens": [...], "prompt_token_ids": [...], "restored": n, "failed_entries": n}],
+{"results": [{"tokens": [...], "prompt_token_ids": [...], "logprobs": [{token: logprob} of the
+top 5, a generated token each], "restored": n, "failed_entries": n}],
 "preemptions": n} (vLLM's count since the engine started).
 ``restored`` is what kvtool's connector logged for the request ("restored N tokens");
 ``failed_entries`` the entries it refused and left to vLLM to recompute. The engine
@@ -23,6 +24,7 @@ import re
 import sys
 from pathlib import Path
 
+TOP_LOGPROBS = 5  # per generated token: how close vLLM's choice was to the runners-up
 RESTORED = re.compile(r"request (\S+): restored (\d+) tokens(?:.*?; (\d+) entries failed)?")
 
 
@@ -97,7 +99,7 @@ def main() -> None:
             llm.reset_prefix_cache()
             print("RESULT " + json.dumps({"results": [], "preemptions": _preemptions(llm)}), file=protocol, flush=True)
             continue
-        params = SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 8))
+        params = SamplingParams(temperature=0, max_tokens=command.get("max_tokens", 8), logprobs=TOP_LOGPROBS)
         prompts = [{**({"prompt_token_ids": p["token_ids"]} if "token_ids" in p else {"prompt": p["text"]}),
                     **({"cache_salt": p["salt"]} if p.get("salt") else {})} for p in command["prompts"]]
         restores.lines.clear()
@@ -106,8 +108,9 @@ def main() -> None:
         results = []
         for out in outputs:
             restored, failed = _restore_of(out.request_id, found)
+            top = [{str(t): lp.logprob for t, lp in step.items()} for step in (out.outputs[0].logprobs or [])]
             results.append({"tokens": list(out.outputs[0].token_ids), "prompt_token_ids": list(out.prompt_token_ids),
-                            "restored": restored, "failed_entries": failed})
+                            "logprobs": top, "restored": restored, "failed_entries": failed})
         print("RESULT " + json.dumps({"results": results, "preemptions": _preemptions(llm)}), file=protocol,
               flush=True)
 
