@@ -2,8 +2,9 @@
 
     .venv-vllm/bin/python -m pytest tests/vllm_e2e/test_torture.py
 
-The seed changes from run to run (``KVTOOL_TORTURE_SEED`` fixes it) and is printed, so a
-failure can be replayed with ``benchmarks/torture.py --seed N``. Every fault kind is
+The seed is printed, so a failure can be replayed with ``benchmarks/torture.py --seed N``;
+``KVTOOL_TORTURE_SEED`` picks another (``random`` for a new one each run). CI keeps one
+seed, so a red run is kvtool's doing, not the draw; the long runs in BENCHMARKS.md vary it. Every fault kind is
 injected at least once; no output may differ from vLLM's own beyond what vLLM itself
 varies (benchmarks/torture.py says how that is told apart).
 """
@@ -27,7 +28,8 @@ TORTURE = ROOT / "benchmarks" / "torture.py"
 
 
 def test_torture_finds_no_wrong_output(model: Path) -> None:
-    seed = int(os.environ.get("KVTOOL_TORTURE_SEED") or random.randrange(100000))
+    chosen = os.environ.get("KVTOOL_TORTURE_SEED", "3")
+    seed = random.randrange(100000) if chosen == "random" else int(chosen)
     print(f"torture seed {seed} (replay: benchmarks/torture.py --seed {seed} --requests 24 --concurrency 3 "
           "--fault-rate 1)")
     proc = subprocess.run(
