@@ -23,7 +23,6 @@ far beyond that. Each difference is listed with both outputs and the gap.
 The last line printed is one JSON object (with ``--json``) or a table.
 """
 
-from __future__ import annotations
 
 import argparse
 import json
