@@ -10,6 +10,8 @@ read by attribute.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import logging
 import os
 from dataclasses import dataclass
@@ -73,7 +75,7 @@ class ConnectorContext:
                    parallel.distributed_executor_backend)
 
 
-class ConnectorSide:
+class ConnectorSide(ABC):
     """One half of the connector: the store it opened, what it counted, its totals for the shutdown line."""
 
     side = "connector"
@@ -100,8 +102,9 @@ class ConnectorSide:
         self._totals_logged = True
         self._log_summary(summary(self._totals))
 
+    @abstractmethod
     def _log_summary(self, done: dict) -> None:
-        raise NotImplementedError
+        """Log this half's totals (``done``) in its own words."""
 
     def shutdown(self) -> None:
         if self._closed:
