@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtool._native.reference import (
-    FAMILIES, MAXBITS, MODE_CODED, MODE_ONE_SYMBOL, canonical_codes, huffman_lengths, merge_symbols, read_code_table,
+    FAMILIES, MAXBITS, MODE_CODED, MODE_ONE_SYMBOL, ChunkFrame, canonical_codes, huffman_lengths, read_code_table,
     split_symbols, write_code_table,
 )
 from kvtool.errors import DecodeError
@@ -72,24 +72,9 @@ def encode(block: np.ndarray, dtype_name: str, lane: int = DEFAULT_LANE) -> byte
 
 def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The block an exphuff-lanes chunk holds, as unsigned integers of the dtype's width; ``DecodeError`` if malformed."""
-    family = FAMILIES[dtype_name]
-    heads, tokens, dim = shape
-    n, channels = heads * tokens * dim, heads * dim
-    data = bytes(chunk)
-    fixed = 2 + channels + n * family.raw_bytes
-    if len(data) < fixed + 1 or data[0] != VERSION or data[1] not in (MODE_CODED, MODE_ONE_SYMBOL):
-        raise DecodeError("exphuff-lanes: not a chunk of this format, or truncated")
-    refs = np.frombuffer(data, np.uint8, channels, 2)
-    if np.any(refs > family.emask >> family.eshift):
-        raise DecodeError("exphuff-lanes: a channel reference is out of range")
-    raw = np.frombuffer(data, np.uint8, n * family.raw_bytes, 2 + channels)
-    if data[1] == MODE_ONE_SYMBOL:
-        if len(data) != fixed + 1:
-            raise DecodeError("exphuff-lanes: bad length for a one-symbol chunk")
-        sym = np.full(n, data[fixed], np.uint8)
-    else:
-        sym = _decode_lanes(data, fixed, n)
-    return merge_symbols(sym, refs, raw, family, shape)
+    frame = ChunkFrame.read(chunk, dtype_name, shape, VERSION, "exphuff-lanes")
+    sym = frame.one_symbol_run() if frame.one_symbol else _decode_lanes(frame.data, frame.fixed, frame.n)
+    return frame.values(sym)
 
 
 def _decode_lanes(data: bytes, at: int, n: int) -> np.ndarray:

@@ -229,25 +229,54 @@ def encode(block: np.ndarray, dtype_name: str) -> bytes:
 
 def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The block an exphuff chunk holds, as unsigned integers of the dtype's width; ``DecodeError`` if malformed."""
-    family = FAMILIES[dtype_name]
-    heads, tokens, dim = shape
-    n, channels = heads * tokens * dim, heads * dim
-    data = bytes(chunk)
-    fixed = 2 + channels + n * family.raw_bytes
-    if len(data) < fixed + 1 or data[0] != VERSION or data[1] not in (MODE_CODED, MODE_ONE_SYMBOL):
-        raise DecodeError("exphuff: not a chunk of this format, or truncated")
-    refs = np.frombuffer(data, np.uint8, channels, 2)
-    if np.any(refs > family.emask >> family.eshift):
-        raise DecodeError("exphuff: a channel reference is out of range")
-    raw = np.frombuffer(data, np.uint8, n * family.raw_bytes, 2 + channels)
-    rest = data[fixed:]
-    if data[1] == MODE_ONE_SYMBOL:
-        if len(rest) != 1:
-            raise DecodeError("exphuff: bad length for a one-symbol chunk")
-        sym = np.full(n, rest[0], np.uint8)
-    else:
-        sym = _decode_symbols(rest, n)
-    return merge_symbols(sym, refs, raw, family, shape)
+    frame = ChunkFrame.read(chunk, dtype_name, shape, VERSION, "exphuff")
+    sym = frame.one_symbol_run() if frame.one_symbol else _decode_symbols(frame.data[frame.fixed:], frame.n)
+    return frame.values(sym)
+
+
+@dataclass(frozen=True)
+class ChunkFrame:
+    """What every exphuff version's chunk starts with: version, mode, channel references, the raw plane.
+
+    Versions differ only in how the symbols that follow are laid out (``fixed`` is where they begin).
+    """
+
+    family: Family
+    shape: tuple[int, ...]
+    data: bytes
+    codec: str
+    n: int
+    fixed: int
+    refs: np.ndarray
+    raw: np.ndarray
+
+    @classmethod
+    def read(cls, chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, ...], version: int, codec: str) -> ChunkFrame:
+        family = FAMILIES[dtype_name]
+        heads, tokens, dim = shape
+        n, channels = heads * tokens * dim, heads * dim
+        data = bytes(chunk)
+        fixed = 2 + channels + n * family.raw_bytes
+        if len(data) < fixed + 1 or data[0] != version or data[1] not in (MODE_CODED, MODE_ONE_SYMBOL):
+            raise DecodeError(f"{codec}: not a chunk of this format, or truncated")
+        refs = np.frombuffer(data, np.uint8, channels, 2)
+        if np.any(refs > family.emask >> family.eshift):
+            raise DecodeError(f"{codec}: a channel reference is out of range")
+        raw = np.frombuffer(data, np.uint8, n * family.raw_bytes, 2 + channels)
+        return cls(family, shape, data, codec, n, fixed, refs, raw)
+
+    @property
+    def one_symbol(self) -> bool:
+        return self.data[1] == MODE_ONE_SYMBOL
+
+    def one_symbol_run(self) -> np.ndarray:
+        """The symbols of a one-symbol chunk: its last byte, ``n`` times."""
+        if len(self.data) != self.fixed + 1:
+            raise DecodeError(f"{self.codec}: bad length for a one-symbol chunk")
+        return np.full(self.n, self.data[self.fixed], np.uint8)
+
+    def values(self, sym: np.ndarray) -> np.ndarray:
+        return merge_symbols(sym, self.refs, self.raw, self.family, self.shape)
 
 
 def merge_symbols(sym: np.ndarray, refs: np.ndarray, raw: np.ndarray, family: Family, shape: tuple[int, ...]) -> np.ndarray:
