@@ -25,7 +25,7 @@
 struct kvn_tans_model {
     int classes, contexts, start_context;
     size_t class_model, ref_model;
-    uint32_t *dec;   /* per model and state: symbol | nbits << 6 | base << 10 | context_of[symbol] << 21 */
+    uint32_t *dec;   /* per model and state: symbol | nbits << 6 | (context_of[symbol] << 11 | base) << 16 */
     uint16_t *enc;   /* per model: the states of each symbol, by symbol then rank */
     uint32_t *info;  /* per model and symbol: g | start << 12 | (11 - floor(log2 g)) << 24 */
     int16_t *cost;   /* [contexts * 64][COST_LANES]: classes' costs, zero padded */
