@@ -199,11 +199,12 @@ KVN_INLINE uint32_t repeat_value(const kvn_tans_model *m, const split *sp, uint8
  * groups of one head: dim a multiple of 8), the eight states live in locals; there a state is kept
  * as y = context << L | state, the entry's high half (the context its symbol leaves and the next
  * state's base) plus the bits read, so the next lookup is table[class row + y]. Every token of a
- * fast group codes 0 or 8 values, so its raw bits are RB whole bytes, read at constant offsets. */
+ * fast group codes 0 or 8 values, so its raw bits are RB whole bytes, read at constant offsets.
+ * Position p of the coding order is channel chan[p]; refs and cls_row are by position. */
 KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
-                               const uint32_t *refs, const uint32_t *restrict cls_row, uint32_t *restrict row_of,
-                               uint32_t *x, bit_reader *reader, side_data *side, uint8_t *dst, unsigned width,
-                               unsigned RB, unsigned SS, uint32_t LEVEL_COUNT) {
+                               const uint32_t *chan, const uint32_t *refs, const uint32_t *restrict cls_row,
+                               uint32_t *restrict row_of, uint32_t *x, bit_reader *reader, side_data *side, uint8_t *dst,
+                               unsigned width, unsigned RB, unsigned SS, uint32_t LEVEL_COUNT) {
     size_t H = b->heads, D = b->dim, C = H * D, T_ = b->tokens;
     const uint32_t *restrict dec = m->dec;
     bit_reader rd = *reader;
@@ -213,7 +214,9 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
     const uint32_t start_row = (uint32_t)m->start_context << L, raw_mask = (1u << RB) - 1;
     for (size_t g = 0; g < C; g += GROUP) {
         if (D % GROUP == 0) { /* i % 8 == 0 here: the states are constants */
-            size_t h = g / D, d0 = g % D;
+            size_t h = g / D;
+            size_t o0 = chan[g] % D, o1 = chan[g + 1] % D, o2 = chan[g + 2] % D, o3 = chan[g + 3] % D;
+            size_t o4 = chan[g + 4] % D, o5 = chan[g + 5] % D, o6 = chan[g + 6] % D, o7 = chan[g + 7] % D;
             uint32_t y0 = start_row + x[0], y1 = start_row + x[1], y2 = start_row + x[2], y3 = start_row + x[3];
             uint32_t y4 = start_row + x[4], y5 = start_row + x[5], y6 = start_row + x[6], y7 = start_row + x[7];
             const uint32_t *t0 = dec + cls_row[g], *t1 = dec + cls_row[g + 1], *t2 = dec + cls_row[g + 2];
@@ -223,14 +226,14 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
             int64_t pos = rd.pos, at = rd.at;
             uint64_t bits = rd.bits;
             const uint8_t *stream = rd.stream, *rawp = sd->raw + (sd->raw_pos >> 3);
-            uint8_t *out = dst + (h * b->head_stride + d0) * width;
+            uint8_t *out = dst + h * b->head_stride * width;
             const uint32_t *bk_of = back + h;
             for (size_t t = 0; t < T_; t++, out += D * width, bk_of += H) {
                 uint32_t bk = *bk_of;
                 if (bk) {
                     if (bk > t) return KVN_ERR_CORRUPT;
                     size_t bb = (size_t)bk * D * width;
-#define REP(k) y##k = (y##k & (T - 1)) + (repeat_value(m, sp, out + (k) * width, bb, rf[k], width))
+#define REP(k) y##k = (y##k & (T - 1)) + (repeat_value(m, sp, out + o##k * width, bb, rf[k], width))
                     REP(0); REP(1); REP(2); REP(3); REP(4); REP(5); REP(6); REP(7);
 #undef REP
                     continue;
@@ -256,7 +259,7 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
         if (__builtin_expect(!q, 0) && !next_escape(sd, &level)) bad = 1;                               \
         bad |= level >= LEVEL_COUNT;                                                                    \
         uint32_t raw = (uint32_t)(kvn_rd64(rawp + (k) * RB / 8) >> ((k) * RB % 8)) & raw_mask;          \
-        store(out + (k) * width, (uint32_t)(s##k / LEVELS) << SS | level << RB | raw, width);           \
+        store(out + o##k * width, (uint32_t)(s##k / LEVELS) << SS | level << RB | raw, width);          \
     } while (0)
                 RELOAD();
                 GET(0); GET(1); GET(2); GET(3);
@@ -278,8 +281,8 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
             size_t end = g + GROUP < C ? g + GROUP : C;
             for (size_t t = 0; t < T_; t++)
                 for (size_t c = g; c < end; c++) {
-                    size_t h = c / D;
-                    uint8_t *out = dst + (h * b->head_stride + t * D + c % D) * width;
+                    size_t h = chan[c] / D;
+                    uint8_t *out = dst + (h * b->head_stride + t * D + chan[c] % D) * width;
                     uint32_t bk = back[t * H + h];
                     if (bk) {
                         if (bk > t) return KVN_ERR_CORRUPT;
@@ -299,11 +302,11 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
 }
 
 /* One variant per dtype: its width, raw bits, sign shift and level count are constants there. */
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static int decode_values(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
-                         const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint32_t *x, bit_reader *r,
-                         side_data *sd, uint8_t *dst) {
-#define DTYPE(w, rb, ss, levels) decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, w, rb, ss, levels)
+                         const uint32_t *chan, const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of,
+                         uint32_t *x, bit_reader *r, side_data *sd, uint8_t *dst) {
+#define DTYPE(w, rb, ss, levels) decode_values_w(m, b, sp, back, chan, refs, cls_row, row_of, x, r, sd, dst, w, rb, ss, levels)
     switch (b->dtype) {
     case KVN_BF16: return DTYPE(2, 6, 15, 512);
     case KVN_FP16: return DTYPE(2, 9, 15, 64);
@@ -318,9 +321,9 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
     int rc = check_block(b);
     if (rc) return rc;
     size_t H = b->heads, D = b->dim, C = H * D, rows = H * b->tokens, n = rows * D;
-    if (len >= 2 && src[0] == VERSION && src[1] == MODE_EXPHUFF)
+    if (len >= 2 && (src[0] == 1 || src[0] == VERSION) && src[1] == MODE_EXPHUFF)
         return n ? kvn_exphuff_decode(b, src + 2, len - 2, dst) : KVN_ERR_CORRUPT;
-    if (len < HEAD_SIZE || src[0] != VERSION || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
+    if (len < HEAD_SIZE || (src[0] != 1 && src[0] != VERSION) || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
         return KVN_ERR_CORRUPT;
     if (memcmp(src + 4, m->tag, 4)) return KVN_ERR_ARG;
     uint32_t base = src[8] | (uint32_t)src[9] << 8;
@@ -329,7 +332,9 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
     split sp = split_of(b->dtype);
     uint32_t *back = malloc(rows * sizeof(uint32_t)), *refs = malloc(C * sizeof(uint32_t));
     uint32_t *cls_row = malloc(C * sizeof(uint32_t)), *row_of = malloc(C * sizeof(uint32_t));
-    if (!back || !refs || !cls_row || !row_of) { rc = KVN_ERR_NOMEM; goto done; }
+    uint32_t *chan = malloc(C * sizeof(uint32_t)), *by_chan = malloc(2 * C * sizeof(uint32_t));
+    uint8_t *cls = malloc(C);
+    if (!back || !refs || !cls_row || !row_of || !chan || !by_chan || !cls) { rc = KVN_ERR_NOMEM; goto done; }
     const uint8_t *p = src + HEAD_SIZE, *end = src + len;
     size_t repeated = 0;
     if (src[2] & FLAG_REPEATS) {
@@ -368,11 +373,17 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
             rc = KVN_ERR_CORRUPT;
             goto done;
         }
-        refs[c] = ref;
-        cls_row[c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
-        row_of[c] = cls_row[c] + start_row;
+        cls[c] = (uint8_t)k;
+        by_chan[c] = ref;
+        by_chan[C + c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
     }
-    rc = decode_values(m, b, &sp, back, refs, cls_row, row_of, x, &r, &sd, dst);
+    coding_channels(cls, H, D, src[0], chan);
+    for (size_t p = 0; p < C; p++) {
+        refs[p] = by_chan[chan[p]];
+        cls_row[p] = by_chan[C + chan[p]];
+        row_of[p] = cls_row[p] + start_row;
+    }
+    rc = decode_values(m, b, &sp, back, chan, refs, cls_row, row_of, x, &r, &sd, dst);
     if (!rc && (r.pos || sd.esc_at != n_esc)) rc = KVN_ERR_CORRUPT;
     for (int k = 0; !rc && k < STATES; k++)
         if (x[k]) rc = KVN_ERR_CORRUPT;
@@ -381,5 +392,8 @@ done:
     free(refs);
     free(cls_row);
     free(row_of);
+    free(chan);
+    free(by_chan);
+    free(cls);
     return rc;
 }

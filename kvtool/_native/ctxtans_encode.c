@@ -86,7 +86,7 @@ KVN_INLINE void symbols_w(const kvn_block *b, const uint8_t *src, const split *s
         }
 }
 
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static void symbols(const kvn_block *b, const uint8_t *src, const split *sp, uint32_t *refs, uint8_t *sym) {
     switch (sp->width) {
     case 2: symbols_w(b, src, sp, refs, sym, 2); break;
@@ -97,7 +97,7 @@ static void symbols(const kvn_block *b, const uint8_t *src, const split *sp, uin
 
 /* Each channel's class, the cheapest for its coded symbols in their contexts (the lowest on a tie);
  * returns the summed cost of the choices in 1/8 bits. */
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static uint64_t choose_classes(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
                                uint8_t *cls) {
     size_t H = b->heads, D = b->dim, C = H * D;
@@ -155,9 +155,10 @@ KVN_INLINE void tans_put(const kvn_tans_model *m, size_t model, unsigned s, uint
 }
 
 /* The tANS stream of the side information and the coded values, written forwards at w. */
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
-                          const uint8_t *cls, const uint32_t *refs, uint32_t base, size_t n_coded, bit_writer *w) {
+                          const uint32_t *chan, const uint8_t *cls, const uint32_t *refs, uint32_t base, size_t n_coded,
+                          bit_writer *w) {
     size_t H = b->heads, D = b->dim, C = H * D, X = (size_t)m->contexts;
     uint32_t x[STATES];
     for (int k = 0; k < STATES; k++) x[k] = T;
@@ -167,7 +168,8 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
         size_t end = g + GROUP < C ? g + GROUP : C;
         for (size_t t = b->tokens; t-- > 0;) {
             const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
-            for (size_t c = end; c-- > g;) {
+            for (size_t p = end; p-- > g;) {
+                size_t c = chan[p];
                 if (back[t * H + c / D]) continue;
                 size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
                 i--;
@@ -186,12 +188,13 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
 
 /* The escape list (references, then the levels of escaped values in coding order) and the raw bits. */
 KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
-                                  const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw, unsigned width) {
+                                  const uint32_t *chan, const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw,
+                                  unsigned width) {
     size_t H = b->heads, D = b->dim, C = H * D;
     for (size_t g = 0; g < C; g += GROUP)
         for (size_t t = 0; t < b->tokens; t++)
-            for (size_t c = g; c < g + GROUP && c < C; c++) {
-                size_t h = c / D;
+            for (size_t p = g; p < g + GROUP && p < C; p++) {
+                size_t c = chan[p], h = c / D;
                 if (back[t * H + h]) continue;
                 uint32_t v = load(src + (h * b->head_stride + t * D + c % D) * width, width);
                 if (!(sym[t * C + c] % LEVELS)) {
@@ -204,13 +207,13 @@ KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const 
             }
 }
 
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static void escapes_and_raw(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
-                            const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw) {
+                            const uint32_t *chan, const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw) {
     switch (sp->width) {
-    case 2: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 2); break;
-    case 4: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 4); break;
-    default: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 1);
+    case 2: escapes_and_raw_w(b, src, sym, back, chan, sp, esc, n_esc, raw, 2); break;
+    case 4: escapes_and_raw_w(b, src, sym, back, chan, sp, esc, n_esc, raw, 4); break;
+    default: escapes_and_raw_w(b, src, sym, back, chan, sp, esc, n_esc, raw, 1);
     }
 }
 
@@ -249,7 +252,8 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
     }
     uint8_t *sym = malloc(n), *cls = malloc(C);
     uint32_t *refs = malloc(C * sizeof(uint32_t)), *back = malloc(rows * sizeof(uint32_t));
-    if (!sym || !cls || !refs || !back) { rc = KVN_ERR_NOMEM; goto done; }
+    uint32_t *chan = malloc(C * sizeof(uint32_t));
+    if (!sym || !cls || !refs || !back || !chan) { rc = KVN_ERR_NOMEM; goto done; }
     size_t repeated;
     symbols(b, src, &sp, refs, sym);
     rc = find_repeats(b, src, sp.width, back, &repeated);
@@ -262,6 +266,7 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
         *written += 2;
         goto done;
     }
+    coding_channels(cls, H, D, VERSION, chan);
     uint32_t base = refs[0];
     for (size_t c = 1; c < C; c++) base = refs[c] < base ? refs[c] : base;
     uint8_t *p = dst + HEAD_SIZE;
@@ -290,10 +295,10 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
                 for (size_t d = 0; d < D; d++) value_esc += !(sym[t * C + h * D + d] % LEVELS);
     uint8_t *raw_at = p + 2 * (n_esc + value_esc);
     bit_writer raw = {raw_at, 0, 0};
-    escapes_and_raw(b, src, sym, back, &sp, p, &n_esc, &raw);
+    escapes_and_raw(b, src, sym, back, chan, &sp, p, &n_esc, &raw);
     uint8_t *stream_at = raw_at + finish_bits(&raw, raw_at);
     bit_writer w = {stream_at, 0, 0};
-    encode_stream(m, b, sym, back, cls, refs, base, n_coded, &w);
+    encode_stream(m, b, sym, back, chan, cls, refs, base, n_coded, &w);
     size_t stream_len = finish_bits(&w, stream_at);
     write_head(dst, repeated ? FLAG_REPEATS : 0, m->tag, base, n_esc, stream_len);
     *written = (size_t)(stream_at + stream_len - dst);
@@ -302,5 +307,6 @@ done:
     free(cls);
     free(refs);
     free(back);
+    free(chan);
     return rc;
 }
