@@ -163,17 +163,62 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
     uint32_t x[STATES];
     for (int k = 0; k < STATES; k++) x[k] = T;
     size_t i = 2 * C + n_coded;
-    for (size_t g = (C + GROUP - 1) / GROUP * GROUP; g > 0;) {
-        g -= GROUP;
-        size_t end = g + GROUP < C ? g + GROUP : C;
-        for (size_t t = b->tokens; t-- > 0;) {
-            const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
-            for (size_t p = end; p-- > g;) {
-                size_t c = chan[p];
-                if (back[t * H + c / D]) continue;
-                size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
-                i--;
-                tans_put(m, (size_t)cls[c] * X + ctx, s[c], &x[i % STATES], w);
+    if (D % GROUP == 0) { /* every token of a group codes 0 or 8 values, position k of the group with state k */
+        uint32_t x0 = T, x1 = T, x2 = T, x3 = T, x4 = T, x5 = T, x6 = T, x7 = T;
+        uint8_t *p = w->p;
+        uint64_t acc = w->acc;
+        unsigned n = w->n;
+        for (size_t g = C; g > 0;) {
+            g -= GROUP;
+            const uint32_t *ch = chan + g;
+            size_t c0 = ch[0], c1 = ch[1], c2 = ch[2], c3 = ch[3], c4 = ch[4], c5 = ch[5], c6 = ch[6], c7 = ch[7];
+            size_t m0 = cls[c0] * X, m1 = cls[c1] * X, m2 = cls[c2] * X, m3 = cls[c3] * X;
+            size_t m4 = cls[c4] * X, m5 = cls[c5] * X, m6 = cls[c6] * X, m7 = cls[c7] * X;
+            const uint32_t *bk = back + g / D;
+            for (size_t t = b->tokens; t-- > 0;) {
+                if (bk[t * H]) continue;
+                const uint8_t *sy = sym + t * C, *prev = sy - C;
+#define PUT(k)                                                                                                 \
+    do {                                                                                                       \
+        size_t model = m##k + (t ? m->context_of[prev[c##k]] : (size_t)m->start_context);                       \
+        uint32_t info = m->info[model * KVN_TANS_SYMBOLS + sy[c##k]], f = info & 0xFFF, shift = info >> 24;    \
+        uint32_t nb = shift - (x##k < f << shift);                                                             \
+        acc |= (uint64_t)(x##k & ((1u << nb) - 1)) << n;                                                       \
+        n += nb;                                                                                               \
+        x##k = T + m->enc[model * T + ((info >> 12) & 0xFFF) + (x##k >> nb) - f];                             \
+    } while (0)
+#define FLUSH() /* n < 8 + 4 * 11: never a whole word */ \
+    do {                                                 \
+        kvn_wr64(p, acc);                                \
+        p += n >> 3;                                     \
+        acc >>= n & ~7u;                                 \
+        n &= 7;                                          \
+    } while (0)
+                PUT(7); PUT(6); PUT(5); PUT(4);
+                FLUSH();
+                PUT(3); PUT(2); PUT(1); PUT(0);
+                FLUSH();
+#undef PUT
+#undef FLUSH
+            }
+        }
+        w->p = p;
+        w->acc = acc;
+        w->n = n;
+        x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
+    } else {
+        for (size_t g = (C + GROUP - 1) / GROUP * GROUP; g > 0;) {
+            g -= GROUP;
+            size_t end = g + GROUP < C ? g + GROUP : C;
+            for (size_t t = b->tokens; t-- > 0;) {
+                const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
+                for (size_t p = end; p-- > g;) {
+                    size_t c = chan[p];
+                    if (back[t * H + c / D]) continue;
+                    size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
+                    i--;
+                    tans_put(m, (size_t)cls[c] * X + ctx, s[c], &x[i % STATES], w);
+                }
             }
         }
     }
