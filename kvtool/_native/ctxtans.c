@@ -10,7 +10,8 @@
  * symbol, how many bits to read and the next state's base, with the context the symbol
  * leaves packed in. Eight states are interleaved (symbol i uses state i % 8), so eight
  * independent lookups are in flight, and values go a group of 8 channels at a time, token by
- * token, so a group sweeps only its channels' tables. A chunk the dictionary codes worse than a Huffman
+ * token, each head's channels in class order (chunk version 2), so a group sweeps only the
+ * tables of its channels' 2-3 classes. A chunk the dictionary codes worse than a Huffman
  * code of its own counts would is an exphuff chunk instead (mode 1).
  *
  * kvtool/_native/ctxtans_reference.py is the same format in numpy; docs/FORMAT.md
