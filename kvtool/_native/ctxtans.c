@@ -253,6 +253,7 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
         pos -= nb;                                                                            \
         y##k = (e >> 16) + ((uint32_t)(bits >> (pos - at)) & ((1u << nb) - 1));               \
         s##k = e & 63;                                                                        \
+        __builtin_prefetch(t##k + y##k);                                                      \
     } while (0)
 #define PUT(k)                                                                                          \
     do {                                                                                                \
