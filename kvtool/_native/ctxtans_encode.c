@@ -186,6 +186,12 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
         acc |= (uint64_t)(x##k & ((1u << nb) - 1)) << n;                                                       \
         n += nb;                                                                                               \
         x##k = T + m->enc[model * T + ((info >> 12) & 0xFFF) + (x##k >> nb) - f];                             \
+        if (t) { /* the entry this state's next step (token t - 1) reads, prefetched */                       \
+            size_t next = m##k + (t > 1 ? m->context_of[prev[c##k - C]] : (size_t)m->start_context);           \
+            uint32_t ni = m->info[next * KVN_TANS_SYMBOLS + prev[c##k]], nf = ni & 0xFFF, ns = ni >> 24;      \
+            ns -= x##k < nf << ns;                                                                             \
+            __builtin_prefetch(m->enc + next * T + ((ni >> 12) & 0xFFF) + (x##k >> ns) - nf);                 \
+        }                                                                                                      \
     } while (0)
 #define FLUSH() /* n < 8 + 4 * 11: never a whole word */ \
     do {                                                 \
