@@ -1,6 +1,6 @@
 """The array codecs' C kernels alone, on the same 256-token blocks, decoding into buffers allocated once.
 
-    python benchmarks/ctxtans_kernel.py out/prose-4096.safetensors out/code.kvd [--repeat 5] [--json FILE]
+    python benchmarks/ctxtans_kernel.py out/prose-4096.safetensors out/code.kvd [--repeat 5] [--json FILE] [--codec NAME]
 
 The cache is cut into ``[heads, 256, dim]`` blocks (every tensor, every block); each
 codec encodes every block, then decodes every block into its own output array,
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("dictionary", type=Path, help="a .kvd learnt from another text of the same model and dtype")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--codec", action="append", choices=["memcpy", "exphuff", "ctxans", "ctxtans"],
+                        help="only these codecs (repeatable; default all)")
     args = parser.parse_args()
     core = _native.core()
     if core is None:
@@ -66,6 +68,8 @@ def main() -> None:
     }
     rows = []
     for name, (encode, decode) in codecs.items():
+        if args.codec and name not in args.codec:
+            continue
         enc_s = dec_s = float("inf")
         for _ in range(args.repeat):
             start = time.process_time()

@@ -113,6 +113,26 @@ def test_native_and_reference_write_and_read_the_same_chunks(case):
 
 
 @needs_core
+@settings(max_examples=100, deadline=None)
+@given(blocks())
+def test_chunks_of_the_first_version_still_decode(case):
+    """Version 1 chunks (each head's channels in their own order, not by class) decode in both decoders."""
+    name, block = case
+    chunk = reference.encode(block, name, TABLES, DICTIONARY.tag, version=1)
+    assert chunk[0] == 1
+    expected = np.ascontiguousarray(block).view(f"u{block.itemsize}")
+    status, out = native_decode(chunk, name, block.shape)
+    assert status == 0 and np.array_equal(out, expected)
+    assert np.array_equal(reference_decode(chunk, name, block.shape), expected)
+
+
+def test_version_2_sorts_each_heads_channels_by_class():
+    classes = np.array([3, 1, 3, 0, 2, 2, 0, 1])
+    assert reference.coding_channels(classes, 4, 2).tolist() == [3, 1, 0, 2, 6, 7, 4, 5]
+    assert reference.coding_channels(classes, 4, 1).tolist() == list(range(8))
+
+
+@needs_core
 @settings(max_examples=200, deadline=None)
 @given(blocks(), st.data())
 def test_native_and_reference_reject_the_same_damage(case, data):

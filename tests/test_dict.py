@@ -213,36 +213,40 @@ def test_a_damaged_dictionary_in_a_store_is_not_used(code_dict, isolated_registr
 # -- the vLLM connector's dictionary ------------------------------------------------------------
 
 
-def test_the_connector_learns_a_dictionary_from_its_first_entries(samples, isolated_registry):
+@pytest.mark.parametrize("codec", ["ctxans", "ctxtans"])
+def test_the_connector_learns_a_dictionary_from_its_first_entries(samples, isolated_registry, codec):
     from kvtool.integrations.vllm.dictionary import DictionaryKeeper
 
     cache = KVCache.load(samples[0], layers=[0, 1, 2])
     halves = [cache.select(tokens=slice(0, 128)), cache.select(tokens=slice(128, 256))]
     with open_store("memory://") as store:
-        keeper = DictionaryKeeper("train:256", "ctxans", store, ModelFacts("m"))
+        keeper = DictionaryKeeper("train:256", codec, store, ModelFacts("m"))
         default = keeper.recipe
         assert keeper.recipe_for(halves[0].keys, halves[0].values) == default
         assert keeper.recipe_for(halves[1].keys, halves[1].values) == default  # learning starts now
         for thread in [t for t in __import__("threading").enumerate() if t.name == "kvtool-train"]:
             thread.join()
         learnt = keeper.recipe
-        assert learnt != default and store.contains(dicts.key_of(learnt.partition(":")[2]))
+        assert learnt != default and learnt.partition(":")[0] == codec
+        assert store.contains(dicts.key_of(learnt.partition(":")[2]))
         blob = encode_cache(halves[0], learnt)
+        assert decode_cache(blob).equal_bits(halves[0])
     isolated_registry._known.clear()
     with pytest.raises(registry.MissingDictionaryError):
         decode_cache(blob)
 
 
-def test_the_connector_loads_a_given_dictionary_and_checks_its_options(code_dict, tmp_path):
+@pytest.mark.parametrize("codec", ["ctxans", "ctxtans"])
+def test_the_connector_loads_a_given_dictionary_and_checks_its_options(code_dict, tmp_path, codec):
     from kvtool.integrations.vllm.dictionary import DictionaryKeeper
     from kvtool.integrations.vllm.settings import ConnectorSettings
 
     path = kvd_file(code_dict, tmp_path)
-    settings = ConnectorSettings.from_extra_config({"recipe": "ctxans", "dictionary": str(path)})
+    settings = ConnectorSettings.from_extra_config({"recipe": codec, "dictionary": str(path)})
     with open_store("memory://") as store:
         keeper = DictionaryKeeper(settings.dictionary, settings.recipe, store, ModelFacts("m"))
-        assert keeper.recipe == f"ctxans:{code_dict.id}" and store.contains(dicts.key_of(code_dict.id))
-    for bad in ({"dictionary": str(path)}, {"recipe": "ctxans", "dictionary": "train:x"},
+        assert keeper.recipe == f"{codec}:{code_dict.id}" and store.contains(dicts.key_of(code_dict.id))
+    for bad in ({"dictionary": str(path)}, {"recipe": "exphuff", "dictionary": str(path)}, {"recipe": "ctxans", "dictionary": "train:x"},
                 {"recipe": "ctxans", "dictionary": str(tmp_path / "none.kvd")}, {"recipe": "ctxans", "dictionary": 3}):
         with pytest.raises(UsageError):
             ConnectorSettings.from_extra_config(bad)

@@ -110,8 +110,14 @@ def test_a_name_comes_back_from_its_metadata_only_under_its_own_key():
     assert ChunkName.from_meta(name.key, {"lmcache": {**meta["lmcache"], "kv_rank": "3"}}) is None
 
 
-def test_settings():
+def test_settings(tmp_path):
     assert AdapterSettings.from_params({"store": "memory://"}) == AdapterSettings("memory://")
+    kvd = tmp_path / "m.kvd"
+    kvd.write_bytes(b"")  # the file is read when the adapter starts, not here
+    for recipe in ("ctxans", "ctxtans"):
+        assert AdapterSettings.from_params({"store": "memory://", "recipe": recipe, "dictionary": str(kvd)}).dictionary == str(kvd)
+    with pytest.raises(UsageError):
+        AdapterSettings.from_params({"store": "memory://", "recipe": "exphuff", "dictionary": str(kvd)})
     assert AdapterSettings.from_params({"store": "memory://", "recipe": "zstd:3", "workers": 4}).workers == 4
     for params in ({}, {"store": ""}, {"store": "memory://", "recipe": 3}, {"store": "memory://", "workers": True},
                    {"store": "memory://", "dictionary": "missing.kvd"}, {"store": "memory://", "colour": "red"}):

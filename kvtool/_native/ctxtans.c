@@ -10,7 +10,8 @@
  * symbol, how many bits to read and the next state's base, with the context the symbol
  * leaves packed in. Eight states are interleaved (symbol i uses state i % 8), so eight
  * independent lookups are in flight, and values go a group of 8 channels at a time, token by
- * token, so a group sweeps only its channels' tables. A chunk the dictionary codes worse than a Huffman
+ * token, each head's channels in class order (chunk version 2), so a group sweeps only the
+ * tables of its channels' 2-3 classes. A chunk the dictionary codes worse than a Huffman
  * code of its own counts would is an exphuff chunk instead (mode 1).
  *
  * kvtool/_native/ctxtans_reference.py is the same format in numpy; docs/FORMAT.md
@@ -24,8 +25,7 @@
 #include "ctxtans_impl.h"
 
 /* The decode tables (4 MiB for 32 classes x 16 contexts) are read at random: on 2 MiB pages where
- * the system has them (fewer TLB misses; no gain was measurable on the loaded machine of
- * BENCHMARKS.md, where the lookups miss the caches). */
+ * the system has them (fewer TLB misses; no gain was measurable on the loaded machine here). */
 static void *table_alloc(size_t size) {
     void *p = NULL;
     size_t huge = (size_t)1 << 21;
@@ -78,7 +78,7 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
     m->class_model = (size_t)classes * (size_t)contexts;
     m->ref_model = m->class_model + 1;
     for (size_t i = 0; i < models * T; i++)
-        m->dec[i] = symbol[i] | (uint32_t)nbits[i] << 6 | (uint32_t)base[i] << 10 | (uint32_t)context_of[symbol[i]] << 21;
+        m->dec[i] = symbol[i] | (uint32_t)nbits[i] << 6 | ((uint32_t)context_of[symbol[i]] << L | base[i]) << 16;
     memcpy(m->enc, encode, models * T * sizeof(uint16_t));
     for (size_t i = 0; i < models * KVN_TANS_SYMBOLS; i++) {
         uint32_t f = g[i];
@@ -109,7 +109,6 @@ size_t kvn_tans_bound(const kvn_block *b) {
     return coded > fallback ? coded : fallback;
 }
 
-
 /* ---- decode ---------------------------------------------------------------------------- */
 
 /* Reads the stream backwards from bit `pos`: `bits` holds the 64 stream bits from bit `at` (a
@@ -136,7 +135,7 @@ KVN_INLINE uint32_t read_bits(bit_reader *r, unsigned nb) {
 
 KVN_INLINE unsigned tans_get(const uint32_t *table, uint32_t *x, bit_reader *r) {
     uint32_t e = table[*x];
-    *x = ((e >> 10) & 0x7FF) + read_bits(r, (e >> 6) & 0xF);
+    *x = ((e >> 16) & (T - 1)) + read_bits(r, (e >> 6) & 0xF);
     return e & 63;
 }
 
@@ -196,33 +195,45 @@ KVN_INLINE uint32_t repeat_value(const kvn_tans_model *m, const split *sp, uint8
 }
 
 /* The values, group by group, each group token by token. The reader and, on the fast path (whole
- * groups of one head: dim a multiple of 8), the eight states live in locals. */
+ * groups of one head: dim a multiple of 8), the eight states live in locals; there a state is kept
+ * as y = context << L | state, the entry's high half (the context its symbol leaves and the next
+ * state's base) plus the bits read, so the next lookup is table[class row + y], prefetched at once
+ * (1.5-2x faster: the loads otherwise wait behind the values' assembly). Every token of a fast
+ * group codes 0 or 8 values, so its raw bits are RB whole bytes, read at constant offsets.
+ * Position p of the coding order is channel chan[p]; refs and cls_row are by position. */
 KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
-                               const uint32_t *refs, const uint32_t *restrict cls_row, uint32_t *restrict row_of,
-                               uint32_t *x, bit_reader *reader, side_data *side, uint8_t *dst, unsigned width) {
+                               const uint32_t *chan, const uint32_t *refs, const uint32_t *restrict cls_row,
+                               uint32_t *restrict row_of, uint32_t *x, bit_reader *reader, side_data *side, uint8_t *dst,
+                               unsigned width, unsigned RB, unsigned SS, uint32_t LEVEL_COUNT) {
     size_t H = b->heads, D = b->dim, C = H * D, T_ = b->tokens;
     const uint32_t *restrict dec = m->dec;
     bit_reader rd = *reader;
     side_data sides = *side, *sd = &sides; /* in locals: the stores to dst could alias them otherwise */
     uint32_t bad = 0;
     size_t i = 2 * C;
+    const uint32_t start_row = (uint32_t)m->start_context << L, raw_mask = (1u << RB) - 1;
     for (size_t g = 0; g < C; g += GROUP) {
         if (D % GROUP == 0) { /* i % 8 == 0 here: the states are constants */
-            size_t h = g / D, d0 = g % D;
-            uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], x4 = x[4], x5 = x[5], x6 = x[6], x7 = x[7];
-            uint32_t r0 = row_of[g], r1 = row_of[g + 1], r2 = row_of[g + 2], r3 = row_of[g + 3];
-            uint32_t r4 = row_of[g + 4], r5 = row_of[g + 5], r6 = row_of[g + 6], r7 = row_of[g + 7];
-            const uint32_t *cr = cls_row + g, *rf = refs + g;
+            size_t h = g / D;
+            size_t o0 = chan[g] % D, o1 = chan[g + 1] % D, o2 = chan[g + 2] % D, o3 = chan[g + 3] % D;
+            size_t o4 = chan[g + 4] % D, o5 = chan[g + 5] % D, o6 = chan[g + 6] % D, o7 = chan[g + 7] % D;
+            uint32_t y0 = start_row + x[0], y1 = start_row + x[1], y2 = start_row + x[2], y3 = start_row + x[3];
+            uint32_t y4 = start_row + x[4], y5 = start_row + x[5], y6 = start_row + x[6], y7 = start_row + x[7];
+            const uint32_t *t0 = dec + cls_row[g], *t1 = dec + cls_row[g + 1], *t2 = dec + cls_row[g + 2];
+            const uint32_t *t3 = dec + cls_row[g + 3], *t4 = dec + cls_row[g + 4], *t5 = dec + cls_row[g + 5];
+            const uint32_t *t6 = dec + cls_row[g + 6], *t7 = dec + cls_row[g + 7];
+            const uint32_t *rf = refs + g;
             int64_t pos = rd.pos, at = rd.at;
             uint64_t bits = rd.bits;
-            const uint8_t *stream = rd.stream;
-            for (size_t t = 0; t < T_; t++) {
-                uint8_t *out = dst + (h * b->head_stride + t * D + d0) * width;
-                uint32_t bk = back[t * H + h];
+            const uint8_t *stream = rd.stream, *rawp = sd->raw + (sd->raw_pos >> 3);
+            uint8_t *out = dst + h * b->head_stride * width;
+            const uint32_t *bk_of = back + h;
+            for (size_t t = 0; t < T_; t++, out += D * width, bk_of += H) {
+                uint32_t bk = *bk_of;
                 if (bk) {
                     if (bk > t) return KVN_ERR_CORRUPT;
                     size_t bb = (size_t)bk * D * width;
-#define REP(k) r##k = cr[k] + repeat_value(m, sp, out + (k) * width, bb, rf[k], width)
+#define REP(k) y##k = (y##k & (T - 1)) + (repeat_value(m, sp, out + o##k * width, bb, rf[k], width))
                     REP(0); REP(1); REP(2); REP(3); REP(4); REP(5); REP(6); REP(7);
 #undef REP
                     continue;
@@ -237,18 +248,26 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
 #define GET(k)                                                                                \
     unsigned s##k;                                                                            \
     do {                                                                                      \
-        uint32_t e = dec[r##k + x##k], nb = (e >> 6) & 0xF;                                   \
+        uint32_t e = t##k[y##k], nb = (e >> 6) & 0xF;                                         \
         pos -= nb;                                                                            \
-        x##k = ((e >> 10) & 0x7FF) + ((uint32_t)(bits >> (pos - at)) & ((1u << nb) - 1));     \
-        r##k = cr[k] + ((e >> 21) << L);                                                      \
+        y##k = (e >> 16) + ((uint32_t)(bits >> (pos - at)) & ((1u << nb) - 1));               \
         s##k = e & 63;                                                                        \
+        __builtin_prefetch(t##k + y##k);                                                      \
     } while (0)
-#define PUT(k) store(out + (k) * width, value_of(sp, s##k, rf[k], sd, &bad), width)
+#define PUT(k)                                                                                          \
+    do {                                                                                                \
+        uint32_t q = s##k % LEVELS, level = rf[k] + (uint32_t)(LOW - 1) + q;                           \
+        if (__builtin_expect(!q, 0) && !next_escape(sd, &level)) bad = 1;                               \
+        bad |= level >= LEVEL_COUNT;                                                                    \
+        uint32_t raw = (uint32_t)(kvn_rd64(rawp + (k) * RB / 8) >> ((k) * RB % 8)) & raw_mask;          \
+        store(out + o##k * width, (uint32_t)(s##k / LEVELS) << SS | level << RB | raw, width);          \
+    } while (0)
                 RELOAD();
                 GET(0); GET(1); GET(2); GET(3);
                 RELOAD();
                 GET(4); GET(5); GET(6); GET(7);
                 PUT(0); PUT(1); PUT(2); PUT(3); PUT(4); PUT(5); PUT(6); PUT(7);
+                rawp += RB;
 #undef GET
 #undef PUT
 #undef RELOAD
@@ -256,13 +275,15 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
             rd.pos = pos;
             rd.at = at;
             rd.bits = bits;
-            x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
+            sd->raw_pos = (uint64_t)(rawp - sd->raw) * 8;
+            x[0] = y0 & (T - 1); x[1] = y1 & (T - 1); x[2] = y2 & (T - 1); x[3] = y3 & (T - 1);
+            x[4] = y4 & (T - 1); x[5] = y5 & (T - 1); x[6] = y6 & (T - 1); x[7] = y7 & (T - 1);
         } else {
             size_t end = g + GROUP < C ? g + GROUP : C;
             for (size_t t = 0; t < T_; t++)
                 for (size_t c = g; c < end; c++) {
-                    size_t h = c / D;
-                    uint8_t *out = dst + (h * b->head_stride + t * D + c % D) * width;
+                    size_t h = chan[c] / D;
+                    uint8_t *out = dst + (h * b->head_stride + t * D + chan[c] % D) * width;
                     uint32_t bk = back[t * H + h];
                     if (bk) {
                         if (bk > t) return KVN_ERR_CORRUPT;
@@ -281,24 +302,29 @@ KVN_INLINE int decode_values_w(const kvn_tans_model *m, const kvn_block *b, cons
     return bad || rd.pos < 0 ? KVN_ERR_CORRUPT : KVN_OK;
 }
 
-KVN_MULTIVERSION
+/* One variant per dtype: its width, raw bits, sign shift and level count are constants there. */
+KVN_TANS_MULTIVERSION
 static int decode_values(const kvn_tans_model *m, const kvn_block *b, const split *sp, const uint32_t *back,
-                         const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of, uint32_t *x, bit_reader *r,
-                         side_data *sd, uint8_t *dst) {
-    switch (sp->width) {
-    case 2: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 2);
-    case 4: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 4);
-    default: return decode_values_w(m, b, sp, back, refs, cls_row, row_of, x, r, sd, dst, 1);
+                         const uint32_t *chan, const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of,
+                         uint32_t *x, bit_reader *r, side_data *sd, uint8_t *dst) {
+#define DTYPE(w, rb, ss, levels) decode_values_w(m, b, sp, back, chan, refs, cls_row, row_of, x, r, sd, dst, w, rb, ss, levels)
+    switch (b->dtype) {
+    case KVN_BF16: return DTYPE(2, 6, 15, 512);
+    case KVN_FP16: return DTYPE(2, 9, 15, 64);
+    case KVN_FP32: return DTYPE(4, 22, 31, 512);
+    case KVN_FP8_E4M3: return DTYPE(1, 2, 7, 32);
+    default: return DTYPE(1, 1, 7, 64);
     }
+#undef DTYPE
 }
 
 int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
     int rc = check_block(b);
     if (rc) return rc;
     size_t H = b->heads, D = b->dim, C = H * D, rows = H * b->tokens, n = rows * D;
-    if (len >= 2 && src[0] == VERSION && src[1] == MODE_EXPHUFF)
+    if (len >= 2 && (src[0] == 1 || src[0] == VERSION) && src[1] == MODE_EXPHUFF)
         return n ? kvn_exphuff_decode(b, src + 2, len - 2, dst) : KVN_ERR_CORRUPT;
-    if (len < HEAD_SIZE || src[0] != VERSION || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
+    if (len < HEAD_SIZE || (src[0] != 1 && src[0] != VERSION) || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
         return KVN_ERR_CORRUPT;
     if (memcmp(src + 4, m->tag, 4)) return KVN_ERR_ARG;
     uint32_t base = src[8] | (uint32_t)src[9] << 8;
@@ -307,7 +333,9 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
     split sp = split_of(b->dtype);
     uint32_t *back = malloc(rows * sizeof(uint32_t)), *refs = malloc(C * sizeof(uint32_t));
     uint32_t *cls_row = malloc(C * sizeof(uint32_t)), *row_of = malloc(C * sizeof(uint32_t));
-    if (!back || !refs || !cls_row || !row_of) { rc = KVN_ERR_NOMEM; goto done; }
+    uint32_t *chan = malloc(C * sizeof(uint32_t)), *by_chan = malloc(2 * C * sizeof(uint32_t));
+    uint8_t *cls = malloc(C);
+    if (!back || !refs || !cls_row || !row_of || !chan || !by_chan || !cls) { rc = KVN_ERR_NOMEM; goto done; }
     const uint8_t *p = src + HEAD_SIZE, *end = src + len;
     size_t repeated = 0;
     if (src[2] & FLAG_REPEATS) {
@@ -346,11 +374,17 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
             rc = KVN_ERR_CORRUPT;
             goto done;
         }
-        refs[c] = ref;
-        cls_row[c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
-        row_of[c] = cls_row[c] + start_row;
+        cls[c] = (uint8_t)k;
+        by_chan[c] = ref;
+        by_chan[C + c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
     }
-    rc = decode_values(m, b, &sp, back, refs, cls_row, row_of, x, &r, &sd, dst);
+    coding_channels(cls, H, D, src[0], chan);
+    for (size_t p = 0; p < C; p++) {
+        refs[p] = by_chan[chan[p]];
+        cls_row[p] = by_chan[C + chan[p]];
+        row_of[p] = cls_row[p] + start_row;
+    }
+    rc = decode_values(m, b, &sp, back, chan, refs, cls_row, row_of, x, &r, &sd, dst);
     if (!rc && (r.pos || sd.esc_at != n_esc)) rc = KVN_ERR_CORRUPT;
     for (int k = 0; !rc && k < STATES; k++)
         if (x[k]) rc = KVN_ERR_CORRUPT;
@@ -359,5 +393,8 @@ done:
     free(refs);
     free(cls_row);
     free(row_of);
+    free(chan);
+    free(by_chan);
+    free(cls);
     return rc;
 }

@@ -86,7 +86,7 @@ KVN_INLINE void symbols_w(const kvn_block *b, const uint8_t *src, const split *s
         }
 }
 
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static void symbols(const kvn_block *b, const uint8_t *src, const split *sp, uint32_t *refs, uint8_t *sym) {
     switch (sp->width) {
     case 2: symbols_w(b, src, sp, refs, sym, 2); break;
@@ -97,7 +97,7 @@ static void symbols(const kvn_block *b, const uint8_t *src, const split *sp, uin
 
 /* Each channel's class, the cheapest for its coded symbols in their contexts (the lowest on a tie);
  * returns the summed cost of the choices in 1/8 bits. */
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static uint64_t choose_classes(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
                                uint8_t *cls) {
     size_t H = b->heads, D = b->dim, C = H * D;
@@ -155,23 +155,76 @@ KVN_INLINE void tans_put(const kvn_tans_model *m, size_t model, unsigned s, uint
 }
 
 /* The tANS stream of the side information and the coded values, written forwards at w. */
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
-                          const uint8_t *cls, const uint32_t *refs, uint32_t base, size_t n_coded, bit_writer *w) {
+                          const uint32_t *chan, const uint8_t *cls, const uint32_t *refs, uint32_t base, size_t n_coded,
+                          bit_writer *w) {
     size_t H = b->heads, D = b->dim, C = H * D, X = (size_t)m->contexts;
     uint32_t x[STATES];
     for (int k = 0; k < STATES; k++) x[k] = T;
     size_t i = 2 * C + n_coded;
-    for (size_t g = (C + GROUP - 1) / GROUP * GROUP; g > 0;) {
-        g -= GROUP;
-        size_t end = g + GROUP < C ? g + GROUP : C;
-        for (size_t t = b->tokens; t-- > 0;) {
-            const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
-            for (size_t c = end; c-- > g;) {
-                if (back[t * H + c / D]) continue;
-                size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
-                i--;
-                tans_put(m, (size_t)cls[c] * X + ctx, s[c], &x[i % STATES], w);
+    if (D % GROUP == 0) { /* every token of a group codes 0 or 8 values, position k of the group with state k */
+        uint32_t x0 = T, x1 = T, x2 = T, x3 = T, x4 = T, x5 = T, x6 = T, x7 = T;
+        uint8_t *p = w->p;
+        uint64_t acc = w->acc;
+        unsigned n = w->n;
+        for (size_t g = C; g > 0;) {
+            g -= GROUP;
+            const uint32_t *ch = chan + g;
+            size_t c0 = ch[0], c1 = ch[1], c2 = ch[2], c3 = ch[3], c4 = ch[4], c5 = ch[5], c6 = ch[6], c7 = ch[7];
+            size_t m0 = cls[c0] * X, m1 = cls[c1] * X, m2 = cls[c2] * X, m3 = cls[c3] * X;
+            size_t m4 = cls[c4] * X, m5 = cls[c5] * X, m6 = cls[c6] * X, m7 = cls[c7] * X;
+            const uint32_t *bk = back + g / D;
+            for (size_t t = b->tokens; t-- > 0;) {
+                if (bk[t * H]) continue;
+                const uint8_t *sy = sym + t * C, *prev = sy - C;
+#define PUT(k)                                                                                                 \
+    do {                                                                                                       \
+        size_t model = m##k + (t ? m->context_of[prev[c##k]] : (size_t)m->start_context);                       \
+        uint32_t info = m->info[model * KVN_TANS_SYMBOLS + sy[c##k]], f = info & 0xFFF, shift = info >> 24;    \
+        uint32_t nb = shift - (x##k < f << shift);                                                             \
+        acc |= (uint64_t)(x##k & ((1u << nb) - 1)) << n;                                                       \
+        n += nb;                                                                                               \
+        x##k = T + m->enc[model * T + ((info >> 12) & 0xFFF) + (x##k >> nb) - f];                             \
+        if (t) { /* the entry this state's next step (token t - 1) reads, prefetched */                       \
+            size_t next = m##k + (t > 1 ? m->context_of[prev[c##k - C]] : (size_t)m->start_context);           \
+            uint32_t ni = m->info[next * KVN_TANS_SYMBOLS + prev[c##k]], nf = ni & 0xFFF, ns = ni >> 24;      \
+            ns -= x##k < nf << ns;                                                                             \
+            __builtin_prefetch(m->enc + next * T + ((ni >> 12) & 0xFFF) + (x##k >> ns) - nf);                 \
+        }                                                                                                      \
+    } while (0)
+#define FLUSH() /* n < 8 + 4 * 11: never a whole word */ \
+    do {                                                 \
+        kvn_wr64(p, acc);                                \
+        p += n >> 3;                                     \
+        acc >>= n & ~7u;                                 \
+        n &= 7;                                          \
+    } while (0)
+                PUT(7); PUT(6); PUT(5); PUT(4);
+                FLUSH();
+                PUT(3); PUT(2); PUT(1); PUT(0);
+                FLUSH();
+#undef PUT
+#undef FLUSH
+            }
+        }
+        w->p = p;
+        w->acc = acc;
+        w->n = n;
+        x[0] = x0; x[1] = x1; x[2] = x2; x[3] = x3; x[4] = x4; x[5] = x5; x[6] = x6; x[7] = x7;
+    } else {
+        for (size_t g = (C + GROUP - 1) / GROUP * GROUP; g > 0;) {
+            g -= GROUP;
+            size_t end = g + GROUP < C ? g + GROUP : C;
+            for (size_t t = b->tokens; t-- > 0;) {
+                const uint8_t *s = sym + t * C, *prev = t ? s - C : NULL;
+                for (size_t p = end; p-- > g;) {
+                    size_t c = chan[p];
+                    if (back[t * H + c / D]) continue;
+                    size_t ctx = prev ? m->context_of[prev[c]] : (size_t)m->start_context;
+                    i--;
+                    tans_put(m, (size_t)cls[c] * X + ctx, s[c], &x[i % STATES], w);
+                }
             }
         }
     }
@@ -186,12 +239,13 @@ static void encode_stream(const kvn_tans_model *m, const kvn_block *b, const uin
 
 /* The escape list (references, then the levels of escaped values in coding order) and the raw bits. */
 KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
-                                  const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw, unsigned width) {
+                                  const uint32_t *chan, const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw,
+                                  unsigned width) {
     size_t H = b->heads, D = b->dim, C = H * D;
     for (size_t g = 0; g < C; g += GROUP)
         for (size_t t = 0; t < b->tokens; t++)
-            for (size_t c = g; c < g + GROUP && c < C; c++) {
-                size_t h = c / D;
+            for (size_t p = g; p < g + GROUP && p < C; p++) {
+                size_t c = chan[p], h = c / D;
                 if (back[t * H + h]) continue;
                 uint32_t v = load(src + (h * b->head_stride + t * D + c % D) * width, width);
                 if (!(sym[t * C + c] % LEVELS)) {
@@ -204,13 +258,13 @@ KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const 
             }
 }
 
-KVN_MULTIVERSION
+KVN_TANS_MULTIVERSION
 static void escapes_and_raw(const kvn_block *b, const uint8_t *src, const uint8_t *sym, const uint32_t *back,
-                            const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw) {
+                            const uint32_t *chan, const split *sp, uint8_t *esc, size_t *n_esc, bit_writer *raw) {
     switch (sp->width) {
-    case 2: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 2); break;
-    case 4: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 4); break;
-    default: escapes_and_raw_w(b, src, sym, back, sp, esc, n_esc, raw, 1);
+    case 2: escapes_and_raw_w(b, src, sym, back, chan, sp, esc, n_esc, raw, 2); break;
+    case 4: escapes_and_raw_w(b, src, sym, back, chan, sp, esc, n_esc, raw, 4); break;
+    default: escapes_and_raw_w(b, src, sym, back, chan, sp, esc, n_esc, raw, 1);
     }
 }
 
@@ -249,7 +303,8 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
     }
     uint8_t *sym = malloc(n), *cls = malloc(C);
     uint32_t *refs = malloc(C * sizeof(uint32_t)), *back = malloc(rows * sizeof(uint32_t));
-    if (!sym || !cls || !refs || !back) { rc = KVN_ERR_NOMEM; goto done; }
+    uint32_t *chan = malloc(C * sizeof(uint32_t));
+    if (!sym || !cls || !refs || !back || !chan) { rc = KVN_ERR_NOMEM; goto done; }
     size_t repeated;
     symbols(b, src, &sp, refs, sym);
     rc = find_repeats(b, src, sp.width, back, &repeated);
@@ -262,6 +317,7 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
         *written += 2;
         goto done;
     }
+    coding_channels(cls, H, D, VERSION, chan);
     uint32_t base = refs[0];
     for (size_t c = 1; c < C; c++) base = refs[c] < base ? refs[c] : base;
     uint8_t *p = dst + HEAD_SIZE;
@@ -290,10 +346,10 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
                 for (size_t d = 0; d < D; d++) value_esc += !(sym[t * C + h * D + d] % LEVELS);
     uint8_t *raw_at = p + 2 * (n_esc + value_esc);
     bit_writer raw = {raw_at, 0, 0};
-    escapes_and_raw(b, src, sym, back, &sp, p, &n_esc, &raw);
+    escapes_and_raw(b, src, sym, back, chan, &sp, p, &n_esc, &raw);
     uint8_t *stream_at = raw_at + finish_bits(&raw, raw_at);
     bit_writer w = {stream_at, 0, 0};
-    encode_stream(m, b, sym, back, cls, refs, base, n_coded, &w);
+    encode_stream(m, b, sym, back, chan, cls, refs, base, n_coded, &w);
     size_t stream_len = finish_bits(&w, stream_at);
     write_head(dst, repeated ? FLAG_REPEATS : 0, m->tag, base, n_esc, stream_len);
     *written = (size_t)(stream_at + stream_len - dst);
@@ -302,5 +358,6 @@ done:
     free(cls);
     free(refs);
     free(back);
+    free(chan);
     return rc;
 }

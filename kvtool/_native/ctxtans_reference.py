@@ -25,7 +25,8 @@ from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, TansTables
 from kvtool.errors import DecodeError
 from kvtool.modeldict.format import LEVELS, LOW, REF_SYMBOLS, SYMBOLS
 
-VERSION = 1
+#: What the encoder writes; version 1 chunks (channels in their own order) still decode.
+VERSION = 2
 MODE_DICT, MODE_EXPHUFF = 0, 1
 #: version, mode, flags, reserved, dictionary tag, base reference, escapes, stream bytes
 HEAD = struct.Struct("<BBBB4sHII")
@@ -113,10 +114,21 @@ class _TansDecoder:
 # -- chunks -----------------------------------------------------------------------------------
 
 
-def coding_order(tokens: int, channels: int) -> np.ndarray:
-    """The positions in ``[tokens, channels]`` (flat) in coding order: channel groups of GROUP, each token by token."""
-    grid = np.arange(tokens * channels).reshape(tokens, channels)
-    return np.concatenate([grid[:, g : g + GROUP].reshape(-1) for g in range(0, channels, GROUP)])
+def coding_channels(classes: np.ndarray, dim: int, version: int) -> np.ndarray:
+    """The channels in coding order: in version 2 each head's channels sorted by class (stable), so a
+    group sweeps the tables of fewer classes; in version 1 in their own order."""
+    channels = np.arange(len(classes))
+    if version < 2:
+        return channels
+    heads = channels.reshape(-1, dim)
+    return np.concatenate([h[np.argsort(classes[h], kind="stable")] for h in heads])
+
+
+def coding_order(tokens: int, chan: np.ndarray) -> np.ndarray:
+    """The positions in ``[tokens, channels]`` (flat) in coding order: groups of GROUP channels of ``chan``
+    (the channels in coding order), each group token by token."""
+    grid = np.arange(tokens * len(chan)).reshape(tokens, len(chan))[:, chan]
+    return np.concatenate([grid[:, g : g + GROUP].reshape(-1) for g in range(0, len(chan), GROUP)])
 
 
 def _use_exphuff(best: np.ndarray, value_syms: np.ndarray) -> bool:
@@ -127,13 +139,14 @@ def _use_exphuff(best: np.ndarray, value_syms: np.ndarray) -> bool:
     return int(8 * (hist * lengths).sum()) < int(best.sum())
 
 
-def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes) -> bytes:
-    """The ctxtans chunk of a block ``[heads, tokens, dim]`` (any strides)."""
+def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes, version: int = VERSION) -> bytes:
+    """The ctxtans chunk of a block ``[heads, tokens, dim]`` (any strides); ``version`` 1 writes the
+    chunks of the first version (what older files hold)."""
     family = FAMILIES[dtype_name]
     heads, tokens, dim = block.shape
     channels = heads * dim
     if not heads * tokens * dim:
-        return HEAD.pack(VERSION, MODE_DICT, 0, 0, tag, 0, 0, 0)
+        return HEAD.pack(version, MODE_DICT, 0, 0, tag, 0, 0, 0)
     ct = t.coder
     bits = np.ascontiguousarray(block).view(f"u{family.width}")
     sign, level, raw = (np.moveaxis(a, 0, 1).reshape(tokens, channels) for a in fields(bits, family))
@@ -151,7 +164,7 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes) -> byt
     totals = counts @ t.cost.astype(np.int64) + t.class_cost
     classes = np.argmin(totals, axis=1)
     if _use_exphuff(totals.min(axis=1), sym[coded]):
-        return bytes([VERSION, MODE_EXPHUFF]) + exphuff.encode(block, dtype_name)
+        return bytes([version, MODE_EXPHUFF]) + exphuff.encode(block, dtype_name)
 
     base = int(refs.min())
     offsets = refs - base
@@ -161,7 +174,7 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes) -> byt
         side_models += [ct.class_model, ct.ref_model]
         if offsets[c] >= REF_SYMBOLS - 1:
             escapes.append(int(refs[c]))
-    order = coding_order(tokens, channels)
+    order = coding_order(tokens, coding_channels(classes, dim, version))
     order = order[coded.reshape(-1)[order]]  # the coded values in coding order
 
     def ordered(a: np.ndarray) -> np.ndarray:
@@ -178,7 +191,7 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes) -> byt
         body = bitmap + b"".join(_varint(int(b) - 1) for b in back[~coded_rows])
         repeats = struct.pack("<I", len(body)) + body
     return b"".join([
-        HEAD.pack(VERSION, MODE_DICT, flags, 0, tag, base, len(escapes), len(stream)),
+        HEAD.pack(version, MODE_DICT, flags, 0, tag, base, len(escapes), len(stream)),
         repeats,
         np.array(escapes, "<u2").tobytes(),
         _pack_bits(ordered(raw), family.raw_bits),
@@ -192,14 +205,14 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     heads, tokens, dim = shape
     channels = heads * dim
     data = bytes(chunk)
-    if len(data) >= 2 and data[0] == VERSION and data[1] == MODE_EXPHUFF:
+    if len(data) >= 2 and data[0] in (1, VERSION) and data[1] == MODE_EXPHUFF:
         if not heads * tokens * dim:
             raise DecodeError("ctxtans: an empty block's chunk holds data")
         return exphuff.decode(data[2:], dtype_name, shape)
     if len(data) < HEAD.size:
         raise DecodeError("ctxtans: truncated chunk")
     version, mode, flags, reserved, chunk_tag, base, n_escapes, stream_len = HEAD.unpack_from(data)
-    if version != VERSION or mode != MODE_DICT or flags & ~FLAG_REPEATS or reserved:
+    if version not in (1, VERSION) or mode != MODE_DICT or flags & ~FLAG_REPEATS or reserved:
         raise DecodeError("ctxtans: not a chunk of this format")
     if chunk_tag != tag:
         raise DecodeError(f"ctxtans: the chunk was coded with dictionary {chunk_tag.hex()}..., not {tag.hex()}...")
@@ -253,9 +266,10 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     prev = [ct.start_context] * channels
     sign_shift, raw_bits, levels = 8 * family.width - 1, family.raw_bits, family.level_count
     raw_at = 0
+    chan = coding_channels(np.array(classes, np.int64), dim, version).tolist()
     for g in range(0, channels, GROUP):
         for tok in range(tokens):
-            for c in range(g, min(g + GROUP, channels)):
+            for c in chan[g : g + GROUP]:
                 h, d = divmod(c, dim)
                 if back[tok, h]:
                     if back[tok, h] > tok:

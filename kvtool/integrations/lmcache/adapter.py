@@ -40,6 +40,7 @@ from kvtool.integrations.lmcache.index import ChunkIndex, Counters, reindex
 from kvtool.integrations.lmcache.naming import ChunkName
 from kvtool.integrations.lmcache.settings import OPTIONS, AdapterSettings
 from kvtool.modeldict import registry as dictionaries
+from kvtool.recipe import Recipe
 from kvtool.store import LRUPolicy, Store, StoreEvent, dicts, open_store
 
 log = logging.getLogger("kvtool.lmcache")
@@ -94,7 +95,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             dictionaries.attach(self._dictionary_source)
             if settings.dictionary is not None:
                 dictionary = dictionaries.load(settings.dictionary)
-                self.recipe = f"ctxans:{dictionary.id}"
+                self.recipe = f"{Recipe.parse(self.recipe).codec.codec_id}:{dictionary.id}"
                 if not dicts.publish(self._store, dictionary):
                     raise KvtoolError(f"the store refused the dictionary of {self.recipe}")
             self._index: ChunkIndex[ObjectKey] = ChunkIndex()

@@ -2,7 +2,7 @@
 
 ``store`` (required) is any kvtool store URL, ``recipe`` the recipe each chunk is
 coded with (default: kvtool's default lossless recipe), ``dictionary`` a ``.kvd``
-model dictionary for a ``ctxans`` recipe, ``workers`` the threads that encode and
+model dictionary for a ``ctxans`` or ``ctxtans`` recipe, ``workers`` the threads that encode and
 decode chunks. Checked once, at startup, with one clear line per mistake.
 """
 
@@ -44,8 +44,8 @@ class AdapterSettings:
         if dictionary is not None:
             if not isinstance(dictionary, str) or not Path(dictionary).is_file():
                 raise UsageError(f"kvtool L2 adapter: 'dictionary' must be a .kvd file, not {dictionary!r}")
-            if Recipe.parse(recipe).codec.codec_id != "ctxans":
-                raise UsageError(f"kvtool L2 adapter: a dictionary needs a ctxans recipe, not {recipe!r}")
+            if Recipe.parse(recipe).codec.codec_id not in ("ctxans", "ctxtans"):
+                raise UsageError(f"kvtool L2 adapter: a dictionary needs a ctxans or ctxtans recipe, not {recipe!r}")
         workers = params.get("workers", 2)
         if type(workers) is not int or not 1 <= workers <= MAX_WORKERS:
             raise UsageError(f"kvtool L2 adapter: 'workers' must be 1 to {MAX_WORKERS}, not {workers!r}")

@@ -1,6 +1,7 @@
 """The connector's model dictionary: given in its config, or learnt from the first entries it saves.
 
-The ``dictionary`` setting (with a ``ctxans`` recipe) is a ``.kvd`` file to code
+The ``dictionary`` setting (with a ``ctxans`` or ``ctxtans`` recipe: the codecs that code
+with a model dictionary) is a ``.kvd`` file to code
 entries with, or ``train`` / ``train:TOKENS``: code with the recipe as given
 until the connector has saved TOKENS tokens (default 2048), learn a dictionary
 from them on a background thread, then code with it. Either way the dictionary
@@ -31,6 +32,8 @@ from kvtool.store import Store, dicts
 log = logging.getLogger("kvtool.vllm")
 
 DEFAULT_TRAIN_TOKENS = 2048
+#: The codecs that code with a model dictionary (the recipe names it as ``CODEC:ID``).
+DICTIONARY_CODECS = ("ctxans", "ctxtans")
 
 
 def check_setting(setting: str | None, recipe: str) -> None:
@@ -39,8 +42,8 @@ def check_setting(setting: str | None, recipe: str) -> None:
         return
     if not isinstance(setting, str):
         raise UsageError(f"dictionary must be a .kvd file or 'train[:TOKENS]', not {setting!r}")
-    if Recipe.parse(recipe).codec.codec_id != "ctxans":
-        raise UsageError(f"the dictionary option needs a ctxans recipe, not {recipe!r}")
+    if Recipe.parse(recipe).codec.codec_id not in DICTIONARY_CODECS:
+        raise UsageError(f"the dictionary option needs a {' or '.join(DICTIONARY_CODECS)} recipe, not {recipe!r}")
     if setting.startswith("train"):
         _train_tokens(setting)
     elif not Path(setting).is_file():
@@ -61,6 +64,7 @@ class DictionaryKeeper:
         self._store = store
         self._facts = facts
         self._recipe = Recipe.parse(recipe).spec()
+        self._codec = Recipe.parse(recipe).codec.codec_id  # the codec a dictionary, given or learnt, is used with
         self._lock = threading.Lock()
         self._learning: list[KVCache] | None = None
         self._target = 0
@@ -68,7 +72,7 @@ class DictionaryKeeper:
         if setting is not None and setting.startswith("train"):
             self._learning, self._target = [], _train_tokens(setting)
         elif setting is not None:
-            self._recipe = f"ctxans:{registry.load(setting).id}"
+            self._recipe = f"{self._codec}:{registry.load(setting).id}"
         dicts.publish_all(store, dictionaries_of(self._recipe))
 
     def recipe_for(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> str:
@@ -88,7 +92,7 @@ class DictionaryKeeper:
             log.exception("kvtool: learning a dictionary failed; entries keep the recipe %s", self._recipe)
             return
         registry.register(dictionary)
-        recipe = f"ctxans:{dictionary.id}"
+        recipe = f"{self._codec}:{dictionary.id}"
         if not dicts.publish(self._store, dictionary):
             log.warning("kvtool: the store refused dictionary %s; entries keep the recipe %s", dictionary.id, self._recipe)
             return

@@ -34,7 +34,7 @@ class ConnectorSettings:
     persistent tier below (0: none are copied before they leave memory or the
     server shuts down); ``api``: serve kvtool's HTTP API from this server over
     the live store (``kvtool.integrations.vllm.embedded``); ``dictionary``: with a
-    ``ctxans`` recipe, a ``.kvd`` model dictionary to code with, or
+    ``ctxans`` or ``ctxtans`` recipe, a ``.kvd`` model dictionary to code with, or
     ``train[:TOKENS]`` to learn one from the first entries saved
     (``kvtool.integrations.vllm.dictionary``)."""
 
