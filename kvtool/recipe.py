@@ -76,9 +76,9 @@ class Recipe:
         """Whether a stage of the recipe stores an approximation: then decoding gives back other bits."""
         return self.layouts.lossy
 
-    def for_kind(self, kind: str) -> "Recipe":
-        """The recipe as it applies to keys (``"k"``) or values (``"v"``); see ``Layout.for_kind``."""
-        layouts = self.layouts.for_kind(kind)
+    def for_kind(self, kind: str, layer: int | None = None) -> "Recipe":
+        """The recipe as it applies to keys (``"k"``) or values (``"v"``) of ``layer``; see ``Layout.for_kind``."""
+        layouts = self.layouts.for_kind(kind, layer)
         return self if layouts is self.layouts else Recipe(layouts, self.codec, self.plane_codecs)
 
     def spec(self) -> str:

@@ -30,10 +30,12 @@ from kvtool.testing.lossy import LossyLayoutTests, assert_within_bound
 LOSSY_LAYOUTS = [
     "mant-round:3", "mant-round:0", "mant-round:12", "fp8:e4m3", "fp8:e5m2,group=7",
     "int:4", "int:8,group=64", "int:1,group=5", "int:3,k=token,v=channel,group=48",
+    "int:4,group=64,kbits=6,vbits=3,layers=k1:8+v0:2",
 ]
 LOSSY_RECIPES = [
     "mant-round:4|byteplane|zstd:3", "fp8:e4m3|exphuff", "fp8:e5m2,group=64|byteplane|zstd:1",
     "int:4|zstd:3", "int:6,group=64|channel-major|zstd:1,scales=none",
+    "int:4,group=64,kbits=6,layers=k1:8+v14:2|zstd:3",
 ]
 
 

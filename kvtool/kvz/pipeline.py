@@ -186,7 +186,8 @@ class PerChunk(ChunkPipeline):
             position, token = int(blocks.position[lo + i]), int(blocks.token[lo + i])
             target = self._target(destination, position, token, n)
             out = target if target is not None else self.scratch(n)
-            self.decode_block(data, base, row, n, self.header.tensors[int(blocks.tensor[lo + i])][1], out)
+            layer, kind, _ = self.header.tensors[int(blocks.tensor[lo + i])]
+            self.decode_block(data, base, row, n, layer, kind, out)
             if target is not None:
                 continue
             if isinstance(destination, Tensors):
@@ -216,12 +217,12 @@ class PerChunk(ChunkPipeline):
         view = arena[position, :, token : token + n]
         return view if view.flags.c_contiguous else None
 
-    def decode_block(self, data: Buffer, base: int, row: int, tokens: int, kind: str, out: np.ndarray) -> None:
+    def decode_block(self, data: Buffer, base: int, row: int, tokens: int, layer: int, kind: str, out: np.ndarray) -> None:
         """Verify and decode the block whose first plane is index record ``row`` into ``out``."""
         h = self.header
         specs = h.planes_for(tokens)
         block_spec = PlaneSpec("data", (h.heads, tokens, h.dim), h.dtype.numpy)
-        layouts = h.recipe.layouts.for_kind(kind)
+        layouts = h.recipe.layouts.for_kind(kind, layer)
         direct = h.recipe.array_codec is not None and not len(layouts)  # the codec writes the block itself
         planes: list[np.ndarray] = []
         for r, spec in enumerate(specs, row):

@@ -115,7 +115,8 @@ def _write_blocks(out: BinaryIO, tensors: Tensors, recipe: Recipe, chunk_tokens:
     )
 
     def encode(block: _Block) -> tuple[list[EncodedPlane], Any]:
-        return _encode_block(block, recipe.for_kind(tensors[block.tensor][1]), tally is not None)
+        layer, kind, _ = tensors[block.tensor]
+        return _encode_block(block, recipe.for_kind(kind, layer), tally is not None)
 
     for block, (chunks, error) in map_bounded(encode, blocks, threads):
         if tally is not None:

@@ -75,11 +75,11 @@ class Layout(Component, abc.ABC):
         build their result in place override this; the default copies the inverse's result."""
         np.copyto(out, self.inverse(planes, [spec])[0])
 
-    def for_kind(self, kind: str) -> "Layout":
-        """This layout as it applies to the keys (``"k"``) or the values (``"v"``) of a cache.
+    def for_kind(self, kind: str, layer: int | None = None) -> "Layout":
+        """This layout as it applies to the keys (``"k"``) or the values (``"v"``) of a cache (of layer ``layer``).
 
-        A container asks before it transforms a tensor; most layouts treat both
-        alike and return themselves. The planes ``plan`` predicts never depend on
+        A container asks before it transforms a tensor; most layouts treat all
+        tensors alike and return themselves. The planes ``plan`` predicts never depend on
         the kind, so a reader knows every plane's size before it decodes one.
         """
         return self

@@ -22,20 +22,21 @@ class LayoutChain:
         self.layouts: tuple[Layout, ...] = tuple(layouts)
         self._spec = "|".join(layout.spec() for layout in self.layouts)
         self._plans: dict[tuple[PlaneSpec, ...], list[list[PlaneSpec]]] = {}
-        self._by_kind: dict[str, LayoutChain] = {}
+        self._by_kind: dict[tuple[str, int | None], LayoutChain] = {}
 
     @property
     def lossy(self) -> bool:
         """Whether any stage gives back an approximation instead of the input's bits."""
         return any(layout.lossy for layout in self.layouts)
 
-    def for_kind(self, kind: str) -> "LayoutChain":
-        """The chain as it applies to keys (``"k"``) or values (``"v"``): itself unless a stage tells them apart."""
-        chain = self._by_kind.get(kind)
+    def for_kind(self, kind: str, layer: int | None = None) -> "LayoutChain":
+        """The chain as it applies to keys (``"k"``) or values (``"v"``) of ``layer``: itself unless a stage tells
+        tensors apart."""
+        chain = self._by_kind.get((kind, layer))
         if chain is None:
-            bound = [layout.for_kind(kind) for layout in self.layouts]
+            bound = [layout.for_kind(kind, layer) for layout in self.layouts]
             same = all(b is layout for b, layout in zip(bound, self.layouts))
-            chain = self._by_kind[kind] = self if same else LayoutChain(bound)
+            chain = self._by_kind[kind, layer] = self if same else LayoutChain(bound)
         return chain
 
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:

@@ -14,12 +14,22 @@ kind (``k=``, ``v=``):
     ``group`` consecutive channels of one token (per-token quantization;
     KIVI's choice for values). A token's last group may be shorter.
 
-The default is ``int:4,k=channel,v=token,group=32``. For a block ``[heads,
-tokens, dim]`` the planes are
+The default is ``int:4,k=channel,v=token,group=32``. Bits go where the model
+needs them: ``kbits=``/``vbits=`` (1 to 8; 0, the default, means ``BITS``)
+give the keys or the values a width of their own, and ``layers=`` gives single
+tensors theirs: ``layers=k0:8+k3:6`` stores layer 0's keys in 8 bits and layer
+3's in 6 (``kvtool bench accuracy --layers-of`` measures which layers matter).
+The recipe, every width included, is in the header of every ``.kvz``, so a file says
+how each of its tensors was coded. For a block ``[heads, tokens, dim]`` the
+planes are
 
 ``codes``
-    ``uint8 [ceil(heads * tokens * dim * BITS / 8)]``: the codes in the
-    block's C order, packed most significant bit first (``np.packbits``).
+    ``uint8 [ceil(heads * tokens * dim * W / 8)]``, ``W`` the widest width
+    the recipe gives any tensor (so the planes never depend on the tensor):
+    the tensor's codes in the block's C order, in its own width, packed most
+    significant bit first (``np.packbits``); a narrower tensor leaves the
+    plane's tail zero, which the codec after the stage stores in a few
+    bytes.
 ``scales``
     ``float16 [heads, G, 2]``: per group ``(scale, min)``, groups in the C
     order of ``[heads, dim, token groups]`` (channel) or ``[heads, tokens,
@@ -60,23 +70,53 @@ NATIVE_DTYPES = {DTYPES[name].numpy: name for name in ("bf16", "fp16", "fp32")}
 
 class IntQuant(LossyLayout):
     layout_id = "int"
-    params = ("bits", "k", "v", "group")
+    params = ("bits", "k", "v", "group", "kbits", "vbits", "layers")
     spec_param = "bits"
-    param_types = {"bits": int, "group": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
+    param_types = {"bits": int, "group": int, "kbits": int, "vbits": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
 
-    def __init__(self, bits: int = 4, k: str = "channel", v: str = "token", group: int = 32):
+    def __init__(self, bits: int = 4, k: str = "channel", v: str = "token", group: int = 32, kbits: int = 0,
+                 vbits: int = 0, layers: str = ""):
         self.bits = int_param(self.layout_id, "bits", bits, 1, 8)
         self.k = choice_param(self.layout_id, "k", k, AXES)
         self.v = choice_param(self.layout_id, "v", v, AXES)
         self.group = int_param(self.layout_id, "group", group, 1, MAX_GROUP)
+        self.kbits = int_param(self.layout_id, "kbits", kbits, 0, 8)
+        self.vbits = int_param(self.layout_id, "vbits", vbits, 0, 8)
+        if not isinstance(layers, str):
+            raise UsageError(f"layout {self.layout_id!r}: layers must be a string such as 'k0:8+k3:6', not {layers!r}")
+        self.layers = layers
+        self._layer_bits = parse_layers(self.layout_id, layers)
+        #: Every width a tensor of this recipe may get: the codes plane has room for the widest.
+        self.widest = max([self.kind_bits("k"), self.kind_bits("v"), *self._layer_bits.values()])
         self._axis: str | None = None  # set by for_kind
+        self._bits: int | None = None  # set by for_kind, where the tensor's layer is known or no layer has a width of its own
 
-    def for_kind(self, kind: str) -> "IntQuant":
+    def kind_bits(self, kind: str) -> int:
+        """The code width of a kind's tensors, before ``layers``' per-layer widths."""
+        return (self.kbits if kind == "k" else self.vbits) or self.bits
+
+    def for_kind(self, kind: str, layer: int | None = None) -> "IntQuant":
         if kind not in KINDS:
             raise UsageError(f"layout {self.layout_id!r}: tensor kind must be 'k' or 'v', not {kind!r}")
         bound = copy.copy(self)
         bound._axis = self.k if kind == "k" else self.v
+        if layer is not None:
+            bound._bits = self._layer_bits.get((kind, layer), self.kind_bits(kind))
+        elif not self._layer_bits:
+            bound._bits = self.kind_bits(kind)
         return bound
+
+    @property
+    def code_bits(self) -> int:
+        """The width of this tensor's codes; known once bound to a kind and a layer, or when all tensors share it."""
+        if self._bits is not None:
+            return self._bits
+        if self.kind_bits("k") == self.kind_bits("v") and not self._layer_bits:
+            return self.bits
+        raise UsageError(
+            f"layout {self.spec()!r} gives tensors different code widths: it needs to know which tensor a block is "
+            "(a .kvz recipe knows; here bind it with for_kind(kind, layer))"
+        )
 
     @property
     def axis(self) -> str:
@@ -100,7 +140,7 @@ class IntQuant(LossyLayout):
         heads, tokens, dim = spec.shape
         groups = max(rows * per_row for rows, per_row, _ in (self._counts(a, tokens, dim) for a in {self.k, self.v}))
         return [
-            PlaneSpec(child_name(spec.name, "codes"), (-(-heads * tokens * dim * self.bits // 8),), np.dtype(np.uint8)),
+            PlaneSpec(child_name(spec.name, "codes"), (-(-heads * tokens * dim * self.widest // 8),), np.dtype(np.uint8)),
             PlaneSpec(child_name(spec.name, "scales"), (heads, groups, 2), np.dtype(np.float16)),
         ]
 
@@ -116,9 +156,10 @@ class IntQuant(LossyLayout):
         if core is None or name is None or plane.ndim != 3:
             return None
         codes_spec, scales_spec = self.plan_plane(PlaneSpec.of(plane))
-        codes, scales = np.empty(codes_spec.shape, np.uint8), np.empty(scales_spec.shape, np.float16)
-        status = core.int_quant(_native.byte_view(np.ascontiguousarray(plane)), codes, scales.view(np.uint16),
-                                _native.DTYPE_CODES[name], *plane.shape, self.bits, self.axis == "channel", self.group,
+        codes, scales = np.zeros(codes_spec.shape, np.uint8), np.empty(scales_spec.shape, np.float16)
+        used = -(-plane.size * self.code_bits // 8)  # a narrower tensor's codes leave the plane's tail zero
+        status = core.int_quant(_native.byte_view(np.ascontiguousarray(plane)), codes[:used], scales.view(np.uint16),
+                                _native.DTYPE_CODES[name], *plane.shape, self.code_bits, self.axis == "channel", self.group,
                                 scales.shape[1])
         return [codes, scales] if status == 0 else None
 
@@ -128,19 +169,22 @@ class IntQuant(LossyLayout):
         _, tokens, dim = values.shape
         groups = self._grouped(values)
         low, scale = self._group_params(groups)
-        top = np.float32((1 << self.bits) - 1) * scale.astype(np.float32) + low.astype(np.float32)
+        top = np.float32((1 << self.code_bits) - 1) * scale.astype(np.float32) + low.astype(np.float32)
         with np.errstate(over="ignore"):
             if not np.isfinite(top.astype(plane.dtype)).all():
                 raise UsageError(f"layout {self.layout_id!r}: values this close to the limit of {dtype_of(plane.dtype).name} "
                                  "would come back as infinity; use fp8 or mant-round")
         codes = groups - low
         codes /= np.where(scale > 0, scale, 1.0)
-        np.clip(np.rint(codes, out=codes), 0, (1 << self.bits) - 1, out=codes)
+        np.clip(np.rint(codes, out=codes), 0, (1 << self.code_bits) - 1, out=codes)
         scales = np.zeros(self.plan_plane(PlaneSpec.of(plane))[1].shape, np.float16)
         used = math.prod(low.shape[1:])
         scales[:, :used, 0] = self._in_plane_order(scale)
         scales[:, :used, 1] = self._in_plane_order(low)
-        return [_pack(self._ungrouped(codes.astype(np.uint8), tokens, dim), self.bits), scales]
+        packed = np.zeros(self.plan_plane(PlaneSpec.of(plane))[0].shape, np.uint8)
+        codes_bytes = _pack(self._ungrouped(codes.astype(np.uint8), tokens, dim), self.code_bits)
+        packed[: codes_bytes.size] = codes_bytes
+        return [packed, scales]
 
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         out = np.empty(spec.shape, spec.dtype)
@@ -160,13 +204,13 @@ class IntQuant(LossyLayout):
         heads, tokens, dim = spec.shape
         scales = np.ascontiguousarray(planes[1]).view(np.uint16)
         status = core.int_dequant(np.ascontiguousarray(planes[0]), scales, _native.byte_view(out), _native.DTYPE_CODES[name],
-                                  heads, tokens, dim, self.bits, self.axis == "channel", self.group, scales.shape[1])
+                                  heads, tokens, dim, self.code_bits, self.axis == "channel", self.group, scales.shape[1])
         return status == 0
 
     def reference_inverse(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         """The numpy inverse: the definition the C core matches."""
         heads, tokens, dim = spec.shape
-        codes = _unpack(planes[0], heads * tokens * dim, self.bits).reshape(heads, tokens, dim)
+        codes = _unpack(planes[0], heads * tokens * dim, self.code_bits).reshape(heads, tokens, dim)
         grouped = self._grouped(codes)
         used = math.prod(grouped.shape[1:]) // self.group
         scales = planes[1][:, :used].astype(np.float32)
@@ -202,10 +246,10 @@ class IntQuant(LossyLayout):
             raise UsageError(f"layout {self.layout_id!r} stores fp16 scales: values beyond +-{FP16_MAX:g} do not fit (use fp8 or mant-round)")
         low = _fp16_toward(least, -np.inf)
         with np.errstate(over="ignore"):
-            scale = _fp16_toward((most - low) / ((1 << self.bits) - 1), np.inf)
+            scale = _fp16_toward((most - low) / ((1 << self.code_bits) - 1), np.inf)
         if not np.isfinite(scale).all():
-            raise UsageError(f"layout {self.layout_id!r}: a group spans more than {self.bits}-bit codes can step over "
-                             f"with an fp16 scale (max - min over {(1 << self.bits) - 1} beyond {FP16_MAX:g}); use more bits")
+            raise UsageError(f"layout {self.layout_id!r}: a group spans more than {self.code_bits}-bit codes can step over "
+                             f"with an fp16 scale (max - min over {(1 << self.code_bits) - 1} beyond {FP16_MAX:g}); use more bits")
         return low, scale
 
     def _grouped(self, values: np.ndarray) -> np.ndarray:
@@ -246,6 +290,20 @@ class IntQuant(LossyLayout):
             return flat.reshape(heads, dim, token_groups).transpose(0, 2, 1)[:, :, None, :]
         heads, tokens, channel_groups, _ = shape
         return flat.reshape(heads, tokens, channel_groups, 1)
+
+
+def parse_layers(layout_id: str, layers: str) -> dict[tuple[str, int], int]:
+    """Per-layer code widths: ``k0:8+v3:6`` gives layer 0's keys 8 bits and layer 3's values 6."""
+    widths: dict[tuple[str, int], int] = {}
+    for entry in filter(None, layers.split("+")):
+        tensor, colon, width = entry.partition(":")
+        kind, layer = tensor[:1], tensor[1:]
+        if not colon or kind not in KINDS or not layer.isdigit() or not width.isdigit() or not 1 <= int(width) <= 8 \
+                or (kind, int(layer)) in widths:
+            raise UsageError(f"layout {layout_id!r}: layers= takes entries KIND LAYER:BITS joined by '+' (k0:8+v3:6), "
+                             f"each tensor once, 1 to 8 bits; not {entry!r}")
+        widths[kind, int(layer)] = int(width)
+    return widths
 
 
 def _fp16_toward(values: np.ndarray, direction: float) -> np.ndarray:

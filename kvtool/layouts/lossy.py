@@ -161,7 +161,7 @@ def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: It
     the same order; the tensors were cut in blocks of ``chunk_tokens``.
     """
     for (layer, kind, array), approx in zip(tensors, restored):
-        stage = cast(LossyLayout, chain.for_kind(kind)[0])
+        stage = cast(LossyLayout, chain.for_kind(kind, layer)[0])
         for start in range(0, array.shape[1], chunk_tokens):
             block = array[:, start : start + chunk_tokens]
             error = np.abs(approx[:, start : start + chunk_tokens].astype(np.float64) - block.astype(np.float64))

@@ -2,8 +2,9 @@
 
 ``LayoutTests`` demands bit-exact round trips, which a lossy stage cannot
 give; this suite demands what a container relies on from one instead. Per
-tensor kind (the stage is bound with ``for_kind``, as a container binds it):
-``plan`` predicts every output plane exactly and does not depend on the kind;
+tensor kind and layer (the stage is bound with ``for_kind``, as a container
+binds it): ``plan`` predicts every output plane exactly and does not depend on
+the tensor;
 planes read back from their bytes invert to the input's shape and dtype with
 every value within the stage's own ``error_bound``; the same input gives the
 same bytes; every lossy input dtype (bf16, fp16, fp32) is taken and the others
@@ -33,15 +34,19 @@ from kvtool.testing.data import kv_like_bf16
 from kvtool.testing.layouts import TOKEN_COUNTS, bits_of, stored_and_read_back
 
 KINDS = ("k", "v")
+#: The layers a stage is bound to: a stage may give layers widths of their own (``int``'s ``layers=``).
+LAYERS = (0, 1)
 
 
-def assert_within_bound(layout: Layout, array: np.ndarray, kind: str) -> np.ndarray:
-    """Round-trip ``array`` through ``layout`` bound to ``kind`` and its planes' bytes; return the approximation."""
-    bound = cast(LossyLayout, layout.for_kind(kind))
+def assert_within_bound(layout: Layout, array: np.ndarray, kind: str, layer: int = 0) -> np.ndarray:
+    """Round-trip ``array`` through ``layout`` bound to ``kind`` and ``layer`` and its planes' bytes; return the
+    approximation."""
+    bound = cast(LossyLayout, layout.for_kind(kind, layer))
     before = bits_of(array).copy()
     inputs = [PlaneSpec.of(array)]
     specs = bound.plan(inputs)
-    assert specs == layout.for_kind("v" if kind == "k" else "k").plan(inputs), "planes must not depend on the kind"
+    for other in [(k, n) for k in KINDS for n in LAYERS]:
+        assert specs == layout.for_kind(*other).plan(inputs), "planes must not depend on the tensor"
     planes = bound.forward([array])
     assert [(p.shape, p.dtype) for p in planes] == [(s.shape, np.dtype(s.dtype)) for s in specs]
     assert np.array_equal(bits_of(array), before), "forward changed its input"
@@ -71,10 +76,11 @@ class LossyLayoutTests:
     def test_is_marked_lossy(self, layout):
         assert layout.lossy and LayoutChain([layout]).lossy
 
+    @pytest.mark.parametrize("layer", LAYERS)
     @pytest.mark.parametrize("kind", KINDS)
-    def test_real_kv_data_within_bound(self, layout, kv_arrays, kind):
+    def test_real_kv_data_within_bound(self, layout, kv_arrays, kind, layer):
         for array in kv_arrays:
-            assert_within_bound(layout, array, kind)
+            assert_within_bound(layout, array, kind, layer)
 
     @pytest.mark.parametrize("dtype", sorted(DTYPES))
     def test_every_dtype(self, layout, kv_arrays, dtype):
@@ -84,7 +90,7 @@ class LossyLayoutTests:
             with pytest.raises(UsageError, match=dtype):
                 layout.plan([PlaneSpec.of(array)])
             with pytest.raises(UsageError, match=f"takes .*{dtype}"):
-                layout.for_kind("k").forward([array])
+                layout.for_kind("k", 0).forward([array])
             return
         for kind in KINDS:
             assert_within_bound(layout, array, kind)
@@ -94,7 +100,7 @@ class LossyLayoutTests:
         array = kv_arrays[0].copy()
         array[0, min(1, array.shape[1] - 1), 0] = value
         with pytest.raises(UsageError, match="finite"):
-            layout.for_kind("k").forward([array])
+            layout.for_kind("k", 0).forward([array])
 
     @pytest.mark.parametrize("tokens", TOKEN_COUNTS)
     def test_token_counts(self, layout, kv_arrays, tokens):
@@ -120,10 +126,10 @@ class LossyLayoutTests:
         assert config["id"] == layout.layout_id
         assert layout_from_config(config) == layout
         assert get_layout(layout.spec()) == layout
-        assert layout.for_kind("k") == layout  # binding to a kind is not part of the config
+        assert layout.for_kind("k", 1) == layout  # binding to a tensor is not part of the config
 
     def test_inverse_rejects_wrong_planes(self, layout, kv_arrays):
-        bound = layout.for_kind("v")
+        bound = layout.for_kind("v", 0)
         array = kv_arrays[0]
         inputs = [PlaneSpec.of(array)]
         specs = bound.plan(inputs)

@@ -39,6 +39,7 @@ ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-exphuff-lanes": "exphuff-lan
 LOSSY_RECIPES = {
     "lossy-int4-kivi": "int:4,group=4|zstd:1",
     "lossy-int6-token": "int:6,k=token,v=token,group=48|zstd:1",
+    "lossy-int-widths": "int:4,group=4,kbits=6,vbits=3,layers=k29:8+v0:2|zstd:1",
     "lossy-fp8-e4m3": "fp8:e4m3|exphuff",
     "lossy-fp8-e5m2-group": "fp8:e5m2,group=4|zstd:1",
     "lossy-mant-round3": "mant-round:3|byteplane|zstd:1",
