@@ -15,6 +15,7 @@ import numpy as np
 from kvtool.cache import KVCache
 from kvtool.errors import DecodeError
 from kvtool.kvz import decode_cache, encode_cache
+from kvtool.testing.arraycodecs import DTYPES
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,12 @@ def assert_same_file_without_the_core(sample, codec: str, layers: list[int]) -> 
     blob = encode_cache(cache, codec, chunk_tokens=32)
     assert hashlib.sha256(blob).hexdigest() == native.stdout.strip()
     assert decode_cache(blob).equal_bits(cache)
+
+
+def sample_blocks(sample):
+    """(dtype name, block): the first 100 tokens of layers 0, 13 and 29 of a real cache, keys and values,
+    cast to every dtype kvtool codes."""
+    cache = KVCache.load(sample, layers=[0, 13, 29])
+    for name, dtype in DTYPES.items():
+        for array in cache.keys + cache.values:
+            yield name, array.astype(np.float32).astype(dtype)[:, :100]

@@ -13,10 +13,11 @@ from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
 from kvtool.modeldict import ctxans_reference as reference
 from kvtool.modeldict import format as dict_format
-from kvtool.testing.arraycodecs import DTYPES
 
 from float_blocks import blocks_with_repeats
-from native_checks import CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core
+from native_checks import (
+    CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
+)
 
 core = _native.core()
 needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
@@ -66,11 +67,8 @@ def test_native_and_reference_reject_the_same_damage(case, data):
 
 @needs_core
 def test_real_samples_match_in_every_dtype(samples):
-    cache = KVCache.load(samples[1], layers=[0, 13, 29])
-    for name, dtype in DTYPES.items():
-        for array in cache.keys + cache.values:
-            block = array.astype(np.float32).astype(dtype)[:, :100]
-            assert native_encode(block, name) == reference_encode(block, name)
+    for name, block in sample_blocks(samples[1]):
+        assert native_encode(block, name) == reference_encode(block, name)
 
 
 def test_repeated_rows_are_named_not_coded(samples):
