@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "ctxans.h"
+#include "repeats.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>

@@ -3,6 +3,7 @@
 #ifndef KVN_CTXTANS_IMPL_H
 #define KVN_CTXTANS_IMPL_H
 #include "ctxtans.h"
+#include "repeats.h"
 
 #define VERSION 2 /* what the encoder writes; version 1 chunks (channels in their own order) still decode */
 #define MODE_DICT 0
