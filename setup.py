@@ -43,7 +43,7 @@ setup(
             sources=[f"kvtool/_native/{name}" for name in SOURCES],
             depends=["kvtool/_native/kvn.h", "kvtool/_native/huffman.h", "kvtool/_native/ctxans.h", "kvtool/_native/ctxans_impl.h",
                      "kvtool/_native/ctxtans.h", "kvtool/_native/ctxtans_impl.h", "kvtool/_native/model_py.h",
-                     "kvtool/_native/repeats.h"],
+                     "kvtool/_native/repeats.h", "kvtool/_native/values.h"],
             # -ffp-contract=off: no fused multiply-add, so float results match numpy's bit for bit
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,
