@@ -207,15 +207,6 @@ static uint8_t *encode_stream(const kvn_ctx_model *m, const kvn_block *b, const 
     return p;
 }
 
-static uint8_t *put_varint(uint8_t *p, uint32_t v) {
-    while (v >= 0x80) {
-        *p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (uint8_t)v;
-    return p;
-}
-
 static void write_head(uint8_t *p, unsigned flags, const uint8_t tag[4], uint32_t base, size_t n_esc, size_t stream) {
     p[0] = VERSION;
     p[1] = (uint8_t)flags;
@@ -262,17 +253,7 @@ int kvn_ctx_encode(const kvn_ctx_model *m, const kvn_block *b, const void *src_,
     size_t stream_len = (size_t)(stream_end - stream);
 
     uint8_t *p = dst + HEAD_SIZE;
-    if (repeated) {
-        uint8_t *body = p + 4, *q = body + (T * H + 7) / 8;
-        memset(body, 0, (T * H + 7) / 8);
-        for (size_t r = 0; r < T * H; r++)
-            if (back[r]) {
-                body[r >> 3] |= (uint8_t)(1u << (r & 7));
-                q = put_varint(q, back[r] - 1);
-            }
-        kvn_wr32(p, (uint32_t)(q - body));
-        p = q;
-    }
+    if (repeated) p = kvn_write_repeats(p, back, T * H);
     for (size_t k = 0; k < n_esc; k++, p += 2) {
         p[0] = (uint8_t)esc[k];
         p[1] = (uint8_t)(esc[k] >> 8);

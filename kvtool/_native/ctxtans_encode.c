@@ -232,15 +232,6 @@ static void escapes_and_raw(const kvn_block *b, const uint8_t *src, const uint8_
     }
 }
 
-static uint8_t *put_varint(uint8_t *p, uint32_t v) {
-    while (v >= 0x80) {
-        *p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (uint8_t)v;
-    return p;
-}
-
 static void write_head(uint8_t *p, unsigned flags, const uint8_t tag[4], uint32_t base, size_t n_esc, size_t stream) {
     p[0] = VERSION;
     p[1] = MODE_DICT;
@@ -285,16 +276,7 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
     uint32_t base = refs[0];
     for (size_t c = 1; c < C; c++) base = refs[c] < base ? refs[c] : base;
     uint8_t *p = dst + HEAD_SIZE;
-    if (repeated) {
-        uint8_t *body = p + 4, *q = body + (rows + 7) / 8;
-        memset(body, 0, (rows + 7) / 8);
-        for (size_t r = 0; r < rows; r++)
-            if (back[r]) body[r >> 3] |= (uint8_t)(1u << (r & 7));
-        for (size_t r = 0; r < rows; r++)
-            if (back[r]) q = put_varint(q, back[r] - 1);
-        kvn_wr32(p, (uint32_t)(q - body));
-        p = q;
-    }
+    if (repeated) p = kvn_write_repeats(p, back, rows);
     size_t n_esc = 0;
     for (size_t c = 0; c < C; c++)
         if (refs[c] - base >= REF_SYMBOLS - 1) {

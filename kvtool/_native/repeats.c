@@ -3,6 +3,27 @@
 
 #include "repeats.h"
 
+static uint8_t *put_varint(uint8_t *p, uint32_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+uint8_t *kvn_write_repeats(uint8_t *p, const uint32_t *back, size_t rows) {
+    uint8_t *body = p + 4, *q = body + (rows + 7) / 8;
+    memset(body, 0, (rows + 7) / 8);
+    for (size_t r = 0; r < rows; r++)
+        if (back[r]) {
+            body[r >> 3] |= (uint8_t)(1u << (r & 7));
+            q = put_varint(q, back[r] - 1);
+        }
+    kvn_wr32(p, (uint32_t)(q - body));
+    return q;
+}
+
 /* For each row (t, h) in back[t * heads + h]: how many tokens back the nearest earlier equal row
  * of the head is, 0 for none. Rows are found by hash and confirmed byte for byte. */
 int kvn_find_repeats(const kvn_block *b, const uint8_t *src, unsigned width, uint32_t *back, size_t *repeated) {

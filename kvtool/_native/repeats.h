@@ -7,6 +7,8 @@
 
 /* The repeat distances of a block of `width`-byte values; the number of repeated rows in *repeated. */
 int kvn_find_repeats(const kvn_block *b, const uint8_t *src, unsigned width, uint32_t *back, size_t *repeated);
+/* The repeat section (u32 length, bitmap, varints) of `rows` rows' distances, written at p; returns its end. */
+uint8_t *kvn_write_repeats(uint8_t *p, const uint32_t *back, size_t rows);
 /* The repeat distances a repeat section of `len` bytes gives `rows` rows; KVN_ERR_CORRUPT where it is malformed. */
 int kvn_read_repeats(const uint8_t *p, size_t len, size_t rows, uint32_t *back, size_t *repeated);
 
