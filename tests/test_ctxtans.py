@@ -3,10 +3,6 @@ its tables; its fallback to per-chunk statistics; whole files with and without t
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,10 +15,14 @@ from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, quantize
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
 from kvtool.codecs.ctxtans import tables_of
-from kvtool.kvz import KvzReader, decode_cache, encode_cache
+from kvtool.kvz import KvzReader, encode_cache
 from kvtool.errors import DecodeError
 from kvtool.modeldict.format import Dictionary
-from kvtool.testing.arraycodecs import DTYPES
+
+from float_blocks import blocks_with_repeats
+from native_checks import (
+    CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
+)
 
 core = _native.core()
 needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
@@ -50,27 +50,7 @@ def reference_decode(chunk: bytes, name: str, shape) -> np.ndarray:
     return reference.decode(chunk, name, shape, TABLES, DICTIONARY.tag)
 
 
-@st.composite
-def blocks(draw):
-    """Blocks of every dtype and many shapes: KV-like values, any bit patterns, few distinct values,
-    and rows repeated from earlier tokens, in geometries on and off the fast path (dim a multiple of 8)."""
-    name = draw(st.sampled_from(list(reference.FAMILIES)))
-    shape = (draw(st.integers(0, 4)), draw(st.integers(0, 40)), draw(st.sampled_from([0, 1, 3, 8, 16, 20])))
-    kind = draw(st.sampled_from(["kv", "bits", "few", "rows"]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    width = reference.FAMILIES[name].width
-    if kind == "bits":
-        bits = rng.integers(0, 1 << (8 * width), size=shape, dtype=np.uint64).astype(f"u{width}")
-        return name, bits.view(DTYPES[name])
-    scale = np.exp(rng.normal(0, 2, size=(shape[0], 1, shape[2])))
-    values = rng.standard_normal(shape) * scale
-    if kind == "few":
-        values = np.round(values)
-    block = values.astype(DTYPES[name])
-    if kind == "rows" and shape[1] > 1:
-        for t in rng.integers(1, shape[1], size=shape[1] // 2):
-            block[:, t] = block[:, rng.integers(0, t)]
-    return name, block
+PATHS = CorePaths(native_encode, native_decode, reference_encode, reference_decode)
 
 
 def test_tables_are_complete_tans_tables():
@@ -100,21 +80,14 @@ def test_quantize_keeps_every_symbol_and_the_sum():
 
 @needs_core
 @settings(max_examples=300, deadline=None)
-@given(blocks())
+@given(blocks_with_repeats())
 def test_native_and_reference_write_and_read_the_same_chunks(case):
-    name, block = case
-    chunk = native_encode(block, name)
-    assert chunk == reference_encode(block, name)
-    status, out = native_decode(chunk, name, block.shape)
-    assert status == 0
-    expected = np.ascontiguousarray(block).view(f"u{block.itemsize}")
-    assert np.array_equal(out, expected)
-    assert np.array_equal(reference_decode(chunk, name, block.shape), expected)
+    assert_same_chunks(PATHS, *case)
 
 
 @needs_core
 @settings(max_examples=100, deadline=None)
-@given(blocks())
+@given(blocks_with_repeats())
 def test_chunks_of_the_first_version_still_decode(case):
     """Version 1 chunks (each head's channels in their own order, not by class) decode in both decoders."""
     name, block = case
@@ -134,35 +107,20 @@ def test_version_2_sorts_each_heads_channels_by_class():
 
 @needs_core
 @settings(max_examples=200, deadline=None)
-@given(blocks(), st.data())
+@given(blocks_with_repeats(), st.data())
 def test_native_and_reference_reject_the_same_damage(case, data):
     """A damaged chunk is refused by both decoders, or decoded by both to the same values."""
-    name, block = case
-    chunk = bytearray(native_encode(block, name))
-    pos = data.draw(st.integers(0, len(chunk) - 1))
-    chunk[pos] ^= 1 << data.draw(st.integers(0, 7))
-    cut = data.draw(st.sampled_from([len(chunk), max(0, len(chunk) - 1), len(chunk) // 2]))
-    damaged = bytes(chunk[:cut])
-    status, out = native_decode(damaged, name, block.shape)
-    try:
-        ref = reference_decode(damaged, name, block.shape)
-    except DecodeError:
-        assert status != 0
-        return
-    assert status == 0 and np.array_equal(out, ref)
+    assert_same_answer_to_damage(PATHS, *case, data)
 
 
 @needs_core
 def test_real_samples_match_in_every_dtype(samples):
-    cache = KVCache.load(samples[1], layers=[0, 13, 29])
-    for name, dtype in DTYPES.items():
-        for array in cache.keys + cache.values:
-            block = array.astype(np.float32).astype(dtype)[:, :100]
-            chunk = native_encode(block, name)
-            assert chunk == reference_encode(block, name)
-            if name == "bf16":  # the shipped dictionary was learnt from bf16 caches of this model
-                assert chunk[1] == reference.MODE_DICT
-            assert np.array_equal(native_decode(chunk, name, block.shape)[1], block.view(f"u{block.itemsize}"))
+    for name, block in sample_blocks(samples[1]):
+        chunk = native_encode(block, name)
+        assert chunk == reference_encode(block, name)
+        if name == "bf16":  # the shipped dictionary was learnt from bf16 caches of this model
+            assert chunk[1] == reference.MODE_DICT
+        assert np.array_equal(native_decode(chunk, name, block.shape)[1], block.view(f"u{block.itemsize}"))
 
 
 def test_it_codes_what_ctxans_codes_within_a_fraction_of_a_percent(samples):
@@ -202,21 +160,7 @@ def test_a_chunk_of_another_dictionary_is_refused(samples):
 
 def test_files_are_the_same_without_the_core(samples):
     """The whole .kvz, written and read with the core and with the reference path only."""
-    script = (
-        "import sys, hashlib; from kvtool.cache import KVCache; from kvtool.kvz import encode_cache;"
-        "c = KVCache.load(sys.argv[1], layers=[0, 3], tokens=slice(0, 90));"
-        "print(hashlib.sha256(encode_cache(c, 'ctxtans', chunk_tokens=32)).hexdigest())"
-    )
-    def run(env):
-        return subprocess.run([sys.executable, "-c", script, str(samples[0])], env={**os.environ, **env},
-                              capture_output=True, text=True, check=True)
-
-    native, plain = run({}), run({"KVTOOL_NATIVE": "0"})
-    assert native.stdout == plain.stdout
-    cache = KVCache.load(samples[0], layers=[0, 3], tokens=slice(0, 90))
-    blob = encode_cache(cache, "ctxtans", chunk_tokens=32)
-    assert hashlib.sha256(blob).hexdigest() == native.stdout.strip()
-    assert decode_cache(blob).equal_bits(cache)
+    assert_same_file_without_the_core(samples[0], "ctxtans", [0, 3])
 
 
 @needs_core

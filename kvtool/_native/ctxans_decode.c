@@ -118,29 +118,6 @@ static int decode_values(const kvn_ctx_model *m, const kvn_block *b, const layou
     return rc;
 }
 
-static int read_repeats(const uint8_t *p, size_t len, size_t rows, uint32_t *back, size_t *repeated) {
-    size_t bitmap = (rows + 7) / 8;
-    if (len < bitmap) return KVN_ERR_CORRUPT;
-    if ((rows & 7) && (p[bitmap - 1] >> (rows & 7))) return KVN_ERR_CORRUPT;
-    const uint8_t *q = p + bitmap, *end = p + len;
-    *repeated = 0;
-    for (size_t r = 0; r < rows; r++) {
-        back[r] = 0;
-        if (!(p[r >> 3] >> (r & 7) & 1)) continue;
-        uint64_t v = 0;
-        for (unsigned shift = 0;; shift += 7) {
-            if (q == end || shift > 28) return KVN_ERR_CORRUPT;
-            uint8_t byte = *q++;
-            v |= (uint64_t)(byte & 0x7F) << shift;
-            if (!(byte & 0x80)) break;
-        }
-        if (v >= 0xFFFFFFFFu) return KVN_ERR_CORRUPT;
-        back[r] = (uint32_t)v + 1;
-        ++*repeated;
-    }
-    return q == end ? KVN_OK : KVN_ERR_CORRUPT;
-}
-
 int kvn_ctx_decode(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
     int rc = check_block(b);
     if (rc) return rc;
@@ -162,7 +139,7 @@ int kvn_ctx_decode(const kvn_ctx_model *m, const kvn_block *b, const uint8_t *sr
     if (flags & FLAG_REPEATS) {
         if ((size_t)(end - p) < 4 || kvn_rd32(p) > (size_t)(end - p) - 4) { rc = KVN_ERR_CORRUPT; goto done; }
         size_t body = kvn_rd32(p);
-        if ((rc = read_repeats(p + 4, body, T * H, back, &repeated))) goto done;
+        if ((rc = kvn_read_repeats(p + 4, body, T * H, back, &repeated))) goto done;
         p += 4 + body;
     }
     size_t n_coded = (T * H - repeated) * D, raw_len = raw_bytes(n_coded, sp.raw_bits);

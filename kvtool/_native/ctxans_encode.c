@@ -9,46 +9,6 @@ size_t kvn_ctx_bound(const kvn_block *b) {
            4 * STATES + 2 * (n + 2 * channels) + 8;
 }
 
-/* For each row (t, h) in back[t * heads + h]: how many tokens back the nearest earlier equal row
- * of the head is, 0 for none. Rows are found by hash and confirmed byte for byte. */
-static int find_repeats(const kvn_block *b, const uint8_t *src, unsigned width, uint32_t *back, size_t *repeated) {
-    size_t T = b->tokens, row_bytes = b->dim * width, size = 16;
-    while (size < 2 * T) size <<= 1;
-    uint64_t *hashes = malloc(size * sizeof(uint64_t));
-    uint32_t *latest = malloc(size * sizeof(uint32_t)); /* token + 1 of the latest row with that hash; 0: empty */
-    if (!hashes || !latest) {
-        free(hashes);
-        free(latest);
-        return KVN_ERR_NOMEM;
-    }
-    *repeated = 0;
-    for (size_t h = 0; h < b->heads; h++) {
-        const uint8_t *head = src + h * b->head_stride * width;
-        memset(latest, 0, size * sizeof(uint32_t));
-        for (size_t t = 0; t < T; t++) {
-            const uint8_t *row = head + t * row_bytes;
-            uint64_t hash = kvn_xxh3_64(row, row_bytes);
-            size_t slot = (size_t)hash & (size - 1);
-            while (latest[slot] && hashes[slot] != hash) slot = (slot + 1) & (size - 1);
-            uint32_t found = 0;
-            if (latest[slot]) {
-                size_t prev = latest[slot] - 1;
-                if (!memcmp(head + prev * row_bytes, row, row_bytes)) found = (uint32_t)(t - prev);
-                else /* two rows with one hash: look back row by row, as the format defines */
-                    for (size_t u = t; u-- > 0;)
-                        if (!memcmp(head + u * row_bytes, row, row_bytes)) { found = (uint32_t)(t - u); break; }
-            }
-            hashes[slot] = hash;
-            latest[slot] = (uint32_t)(t + 1);
-            back[t * b->heads + h] = found;
-            *repeated += found != 0;
-        }
-    }
-    free(hashes);
-    free(latest);
-    return KVN_OK;
-}
-
 /* Code one symbol (its freq | cum << 16, and rcp = ceil(2^47 / freq)) with state *x, renormalising
  * into the words below *words. The word is written whether it is needed or not (below the stream,
  * where the next word goes), so nothing branches on the state; x / freq is one multiplication,
@@ -247,15 +207,6 @@ static uint8_t *encode_stream(const kvn_ctx_model *m, const kvn_block *b, const 
     return p;
 }
 
-static uint8_t *put_varint(uint8_t *p, uint32_t v) {
-    while (v >= 0x80) {
-        *p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (uint8_t)v;
-    return p;
-}
-
 static void write_head(uint8_t *p, unsigned flags, const uint8_t tag[4], uint32_t base, size_t n_esc, size_t stream) {
     p[0] = VERSION;
     p[1] = (uint8_t)flags;
@@ -287,7 +238,7 @@ int kvn_ctx_encode(const kvn_ctx_model *m, const kvn_block *b, const void *src_,
     if (!refs || !back || !sym || !cls || !esc || !raw) { rc = KVN_ERR_NOMEM; goto done; }
 
     size_t repeated = 0;
-    rc = find_repeats(b, src, sp.width, back, &repeated);
+    rc = kvn_find_repeats(b, src, sp.width, back, &repeated);
     if (rc) goto done;
     symbols(b, src, refs, &sp, sym);
     choose_classes(m, b, sym, back, cls);
@@ -302,17 +253,7 @@ int kvn_ctx_encode(const kvn_ctx_model *m, const kvn_block *b, const void *src_,
     size_t stream_len = (size_t)(stream_end - stream);
 
     uint8_t *p = dst + HEAD_SIZE;
-    if (repeated) {
-        uint8_t *body = p + 4, *q = body + (T * H + 7) / 8;
-        memset(body, 0, (T * H + 7) / 8);
-        for (size_t r = 0; r < T * H; r++)
-            if (back[r]) {
-                body[r >> 3] |= (uint8_t)(1u << (r & 7));
-                q = put_varint(q, back[r] - 1);
-            }
-        kvn_wr32(p, (uint32_t)(q - body));
-        p = q;
-    }
+    if (repeated) p = kvn_write_repeats(p, back, T * H);
     for (size_t k = 0; k < n_esc; k++, p += 2) {
         p[0] = (uint8_t)esc[k];
         p[1] = (uint8_t)(esc[k] >> 8);

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 
 #include "ctxans.h"
+#include "repeats.h"
+#include "values.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -43,8 +45,6 @@
 #define LEVELS KVN_CTX_LEVELS
 #define LOW KVN_CTX_LOW
 #define REF_SYMBOLS KVN_CTX_REF_SYMBOLS
-
-#define KVN_INLINE static inline __attribute__((always_inline))
 
 /* Class costs are summed in 16-bit lanes over at most COST_RUN tokens (a symbol costs at most
  * 8 * 15 = 120), then in 64 bits. */
@@ -88,18 +88,6 @@ struct kvn_ctx_model {
 };
 
 /* ---- shared pieces --------------------------------------------------------------------- */
-
-KVN_INLINE uint32_t load(const uint8_t *p, unsigned width) {
-    if (width == 2) { uint16_t v; memcpy(&v, p, 2); return v; }
-    if (width == 4) { uint32_t v; memcpy(&v, p, 4); return v; }
-    return *p;
-}
-
-KVN_INLINE void store(uint8_t *p, uint32_t v, unsigned width) {
-    if (width == 2) { uint16_t w = (uint16_t)v; memcpy(p, &w, 2); }
-    else if (width == 4) memcpy(p, &v, 4);
-    else *p = (uint8_t)v;
-}
 
 typedef struct {
     unsigned width, raw_bits, sign_shift;

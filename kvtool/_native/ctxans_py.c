@@ -1,18 +1,12 @@
 /* Python bindings of the ctxans coder (listed in _core.c's method table). A dictionary's
  * coder tables become a capsule once; encode and decode take it and release the GIL. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
+#include "model_py.h"
 #include "ctxans.h"
 
 #define CAPSULE_NAME "kvtool.ctxans_model"
 
 static void free_capsule(PyObject *capsule) {
     kvn_ctx_model_free(PyCapsule_GetPointer(capsule, CAPSULE_NAME));
-}
-
-static kvn_ctx_model *model_of(PyObject *capsule) {
-    return PyCapsule_GetPointer(capsule, CAPSULE_NAME);
 }
 
 /* ctxans_model(freq, cum, cost, class_cost, context_of, start, classes, contexts, tag) -> capsule */
@@ -48,80 +42,23 @@ PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args) {
     return capsule;
 }
 
-static int check_geometry(int dtype, Py_ssize_t heads, Py_ssize_t tokens, Py_ssize_t dim, Py_ssize_t buflen) {
-    size_t w = kvn_itemsize(dtype);
-    if (!w || heads < 0 || tokens < 0 || dim < 0) {
-        PyErr_SetString(PyExc_ValueError, "bad dtype code or geometry");
-        return -1;
-    }
-    size_t n = (size_t)heads * (size_t)tokens * (size_t)dim;
-    if (heads && tokens && dim && (n / (size_t)heads / (size_t)tokens != (size_t)dim || n * w / w != n)) {
-        PyErr_SetString(PyExc_OverflowError, "block too large");
-        return -1;
-    }
-    if ((size_t)buflen != n * w) {
-        PyErr_SetString(PyExc_ValueError, "buffer size does not match dtype x shape");
-        return -1;
-    }
-    return 0;
+/* The coder's functions with the model as model_py.h passes it. */
+static int encode_chunk(const void *m, const kvn_block *b, const void *src, uint8_t *dst, size_t *written) {
+    return kvn_ctx_encode(m, b, src, dst, written);
+}
+
+static int decode_chunk(const void *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
+    return kvn_ctx_decode(m, b, src, len, dst);
 }
 
 /* ctxans_encode(block, model, dtype, heads, tokens, dim) -> bytes; block is C-contiguous. */
 PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args) {
-    Py_buffer buf;
-    PyObject *capsule;
-    int dtype;
-    Py_ssize_t heads, tokens, dim;
-    if (!PyArg_ParseTuple(args, "y*Oinnn", &buf, &capsule, &dtype, &heads, &tokens, &dim)) return NULL;
-    kvn_ctx_model *m = model_of(capsule);
-    if (!m || check_geometry(dtype, heads, tokens, dim, buf.len)) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
-    kvn_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, (size_t)tokens * (size_t)dim};
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)kvn_ctx_bound(&b));
-    if (!out) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
-    size_t written = 0;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = kvn_ctx_encode(m, &b, buf.buf, (uint8_t *)PyBytes_AS_STRING(out), &written);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    if (rc) {
-        Py_DECREF(out);
-        if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
-        PyErr_Format(PyExc_ValueError, "native core status %d", rc);
-        return NULL;
-    }
-    if (_PyBytes_Resize(&out, (Py_ssize_t)written) < 0) return NULL;
-    return out;
+    return kvn_py_model_encode(args, CAPSULE_NAME, kvn_ctx_bound, encode_chunk);
 }
 
 /* ctxans_decode(chunk, out, model, dtype, heads, tokens, dim) -> status; out is a writable C-contiguous block. */
 PyObject *kvn_py_ctxans_decode(PyObject *self, PyObject *args) {
-    Py_buffer src, dst;
-    PyObject *capsule;
-    int dtype;
-    Py_ssize_t heads, tokens, dim;
-    if (!PyArg_ParseTuple(args, "y*w*Oinnn", &src, &dst, &capsule, &dtype, &heads, &tokens, &dim)) return NULL;
-    kvn_ctx_model *m = model_of(capsule);
-    if (!m || check_geometry(dtype, heads, tokens, dim, dst.len)) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    kvn_block b = {dtype, (size_t)heads, (size_t)tokens, (size_t)dim, (size_t)tokens * (size_t)dim};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = kvn_ctx_decode(m, &b, src.buf, (size_t)src.len, dst.buf);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
-    return PyLong_FromLong(rc);
+    return kvn_py_model_decode(args, CAPSULE_NAME, decode_chunk);
 }
 
 /* The format's constants as the core was built with them, as the module's CTXANS_CONSTANTS dict;

@@ -139,29 +139,6 @@ KVN_INLINE unsigned tans_get(const uint32_t *table, uint32_t *x, bit_reader *r) 
     return e & 63;
 }
 
-static int read_repeats(const uint8_t *p, size_t len, size_t rows, uint32_t *back, size_t *repeated) {
-    size_t bitmap = (rows + 7) / 8;
-    if (len < bitmap) return KVN_ERR_CORRUPT;
-    if ((rows & 7) && (p[bitmap - 1] >> (rows & 7))) return KVN_ERR_CORRUPT;
-    const uint8_t *q = p + bitmap, *end = p + len;
-    *repeated = 0;
-    for (size_t r = 0; r < rows; r++) {
-        back[r] = 0;
-        if (!(p[r >> 3] >> (r & 7) & 1)) continue;
-        uint32_t v = 0;
-        for (int shift = 0;; shift += 7) {
-            if (q == end || shift > 28) return KVN_ERR_CORRUPT;
-            uint8_t byte = *q++;
-            v |= (uint32_t)(byte & 0x7F) << shift;
-            if (!(byte & 0x80)) break;
-        }
-        if (v >= 0xFFFFFFFFu) return KVN_ERR_CORRUPT;
-        back[r] = v + 1;
-        ++*repeated;
-    }
-    return q == end ? KVN_OK : KVN_ERR_CORRUPT;
-}
-
 typedef struct {
     const uint8_t *esc;
     size_t n_esc, esc_at;
@@ -343,7 +320,7 @@ int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *
         size_t body = kvn_rd32(p);
         p += 4;
         if ((size_t)(end - p) < body) { rc = KVN_ERR_CORRUPT; goto done; }
-        rc = read_repeats(p, body, rows, back, &repeated);
+        rc = kvn_read_repeats(p, body, rows, back, &repeated);
         if (rc) goto done;
         p += body;
     } else {

@@ -29,42 +29,6 @@ static size_t finish_bits(bit_writer *w, uint8_t *start) {
 
 /* ---- encode ---------------------------------------------------------------------------- */
 
-/* For each row (t, h) in back[t * heads + h]: how many tokens back the nearest earlier equal row
- * of the head is, 0 for none. Rows are found by hash and confirmed byte for byte. */
-static int find_repeats(const kvn_block *b, const uint8_t *src, unsigned width, uint32_t *back, size_t *repeated) {
-    size_t rows = b->tokens, row_bytes = b->dim * width, size = 16;
-    while (size < 2 * rows) size <<= 1;
-    uint64_t *hashes = malloc(size * sizeof(uint64_t));
-    uint32_t *latest = malloc(size * sizeof(uint32_t)); /* token + 1 of the latest row with that hash; 0: empty */
-    int rc = hashes && latest ? KVN_OK : KVN_ERR_NOMEM;
-    *repeated = 0;
-    for (size_t h = 0; !rc && h < b->heads; h++) {
-        const uint8_t *head = src + h * b->head_stride * width;
-        memset(latest, 0, size * sizeof(uint32_t));
-        for (size_t t = 0; t < rows; t++) {
-            const uint8_t *row = head + t * row_bytes;
-            uint64_t hash = kvn_xxh3_64(row, row_bytes);
-            size_t slot = (size_t)hash & (size - 1);
-            while (latest[slot] && hashes[slot] != hash) slot = (slot + 1) & (size - 1);
-            uint32_t found = 0;
-            if (latest[slot]) {
-                size_t prev = latest[slot] - 1;
-                if (!memcmp(head + prev * row_bytes, row, row_bytes)) found = (uint32_t)(t - prev);
-                else /* two rows with one hash: look back row by row */
-                    for (size_t u = t; u-- > 0;)
-                        if (!memcmp(head + u * row_bytes, row, row_bytes)) { found = (uint32_t)(t - u); break; }
-            }
-            hashes[slot] = hash;
-            latest[slot] = (uint32_t)(t + 1);
-            back[t * b->heads + h] = found;
-            *repeated += found != 0;
-        }
-    }
-    free(hashes);
-    free(latest);
-    return rc;
-}
-
 /* Channel references (floor of the mean level) and every value's symbol, sym[t * C + c]. */
 KVN_INLINE void symbols_w(const kvn_block *b, const uint8_t *src, const split *sp, uint32_t *restrict refs,
                           uint8_t *restrict sym, unsigned width) {
@@ -268,15 +232,6 @@ static void escapes_and_raw(const kvn_block *b, const uint8_t *src, const uint8_
     }
 }
 
-static uint8_t *put_varint(uint8_t *p, uint32_t v) {
-    while (v >= 0x80) {
-        *p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    *p++ = (uint8_t)v;
-    return p;
-}
-
 static void write_head(uint8_t *p, unsigned flags, const uint8_t tag[4], uint32_t base, size_t n_esc, size_t stream) {
     p[0] = VERSION;
     p[1] = MODE_DICT;
@@ -307,7 +262,7 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
     if (!sym || !cls || !refs || !back || !chan) { rc = KVN_ERR_NOMEM; goto done; }
     size_t repeated;
     symbols(b, src, &sp, refs, sym);
-    rc = find_repeats(b, src, sp.width, back, &repeated);
+    rc = kvn_find_repeats(b, src, sp.width, back, &repeated);
     if (rc) goto done;
     uint64_t dict_cost = choose_classes(m, b, sym, back, cls);
     if (8 * huffman_bits(b, sym, back) < dict_cost) { /* the dictionary does not fit: per-chunk statistics */
@@ -321,16 +276,7 @@ int kvn_tans_encode(const kvn_tans_model *m, const kvn_block *b, const void *src
     uint32_t base = refs[0];
     for (size_t c = 1; c < C; c++) base = refs[c] < base ? refs[c] : base;
     uint8_t *p = dst + HEAD_SIZE;
-    if (repeated) {
-        uint8_t *body = p + 4, *q = body + (rows + 7) / 8;
-        memset(body, 0, (rows + 7) / 8);
-        for (size_t r = 0; r < rows; r++)
-            if (back[r]) body[r >> 3] |= (uint8_t)(1u << (r & 7));
-        for (size_t r = 0; r < rows; r++)
-            if (back[r]) q = put_varint(q, back[r] - 1);
-        kvn_wr32(p, (uint32_t)(q - body));
-        p = q;
-    }
+    if (repeated) p = kvn_write_repeats(p, back, rows);
     size_t n_esc = 0;
     for (size_t c = 0; c < C; c++)
         if (refs[c] - base >= REF_SYMBOLS - 1) {

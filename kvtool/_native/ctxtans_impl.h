@@ -3,6 +3,8 @@
 #ifndef KVN_CTXTANS_IMPL_H
 #define KVN_CTXTANS_IMPL_H
 #include "ctxtans.h"
+#include "repeats.h"
+#include "values.h"
 
 #define VERSION 2 /* what the encoder writes; version 1 chunks (channels in their own order) still decode */
 #define MODE_DICT 0
@@ -19,8 +21,6 @@
 #define COST_LANES KVN_TANS_MAX_CLASSES
 #define COST_RUN 512 /* tokens summed in 16-bit lanes: a symbol costs at most 8 * 11 */
 #define MIN_STREAM 12 /* eight states of 11 bits and the end marker */
-
-#define KVN_INLINE static inline __attribute__((always_inline))
 
 /* The tANS loops read variable bit fields: with BMI2 (x86-64-v3) a read is shrx + bzhi. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(KVN_NO_MULTIVERSION)
@@ -53,18 +53,6 @@ static inline split split_of(int dtype) {
     unsigned w = (unsigned)kvn_itemsize(dtype), e = EBITS[dtype], mb = MBITS[dtype];
     split s = {w, mb - 1, 8 * w - 1, 1u << (e + 1), (1u << (mb - 1)) - 1};
     return s;
-}
-
-KVN_INLINE uint32_t load(const uint8_t *p, unsigned width) {
-    if (width == 2) { uint16_t v; memcpy(&v, p, 2); return v; }
-    if (width == 4) { uint32_t v; memcpy(&v, p, 4); return v; }
-    return *p;
-}
-
-KVN_INLINE void store(uint8_t *p, uint32_t v, unsigned width) {
-    if (width == 2) { uint16_t w = (uint16_t)v; memcpy(p, &w, 2); }
-    else if (width == 4) memcpy(p, &v, 4);
-    else *p = (uint8_t)v;
 }
 
 KVN_INLINE unsigned symbol_of(uint32_t v, uint32_t ref, const split *sp) {

@@ -19,11 +19,11 @@ import numpy as np
 
 from kvtool._native import reference as exphuff
 from kvtool.modeldict.ctxans_reference import (
-    FAMILIES, _pack_bits, _read_repeats, _unpack_bits, _varint, contexts, fields, repeated_rows, symbols,
+    FAMILIES, _pack_bits, analyse, read_channels, read_sections, repeat_section, side_information,
 )
 from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, TansTables
 from kvtool.errors import DecodeError
-from kvtool.modeldict.format import LEVELS, LOW, REF_SYMBOLS, SYMBOLS
+from kvtool.modeldict.format import LEVELS, LOW, SYMBOLS
 
 #: What the encoder writes; version 1 chunks (channels in their own order) still decode.
 VERSION = 2
@@ -143,58 +143,30 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes, versio
     """The ctxtans chunk of a block ``[heads, tokens, dim]`` (any strides); ``version`` 1 writes the
     chunks of the first version (what older files hold)."""
     family = FAMILIES[dtype_name]
-    heads, tokens, dim = block.shape
-    channels = heads * dim
-    if not heads * tokens * dim:
+    _, tokens, dim = block.shape
+    if not block.size:
         return HEAD.pack(version, MODE_DICT, 0, 0, tag, 0, 0, 0)
     ct = t.coder
-    bits = np.ascontiguousarray(block).view(f"u{family.width}")
-    sign, level, raw = (np.moveaxis(a, 0, 1).reshape(tokens, channels) for a in fields(bits, family))
-    refs = level.sum(axis=0) // tokens
-    sym = symbols(sign, level, refs)
-    back = repeated_rows(bits)
-    coded_rows = back == 0
-    coded = np.repeat(coded_rows, dim, axis=1)  # [tokens, channels]
-
-    # Each channel's class: the cheapest for its coded symbols in their contexts, the lowest on a tie.
-    prev = contexts(sym, ct)
-    bins = ct.contexts * SYMBOLS
-    pairs = (np.arange(channels) * bins + prev * SYMBOLS + sym)[coded]
-    counts = np.bincount(pairs, minlength=channels * bins).reshape(channels, bins)
-    totals = counts @ t.cost.astype(np.int64) + t.class_cost
-    classes = np.argmin(totals, axis=1)
-    if _use_exphuff(totals.min(axis=1), sym[coded]):
+    x = analyse(block, family, ct, t.cost, t.class_cost)
+    classes = np.argmin(x.totals, axis=1)  # the cheapest class, the lowest on a tie
+    if _use_exphuff(x.totals.min(axis=1), x.sym[x.coded]):
         return bytes([version, MODE_EXPHUFF]) + exphuff.encode(block, dtype_name)
-
-    base = int(refs.min())
-    offsets = refs - base
-    side_syms, side_models, escapes = [], [], []
-    for c in range(channels):
-        side_syms += [int(classes[c]), int(min(offsets[c], REF_SYMBOLS - 1))]
-        side_models += [ct.class_model, ct.ref_model]
-        if offsets[c] >= REF_SYMBOLS - 1:
-            escapes.append(int(refs[c]))
+    base, side_syms, side_models, escapes = side_information(classes, x.refs, ct)
     order = coding_order(tokens, coding_channels(classes, dim, version))
-    order = order[coded.reshape(-1)[order]]  # the coded values in coding order
+    order = order[x.coded.reshape(-1)[order]]  # the coded values in coding order
 
     def ordered(a: np.ndarray) -> np.ndarray:
         return a.reshape(-1)[order]
 
-    models = classes[None, :] * ct.contexts + prev
-    escapes += ordered(level)[ordered(sym) % LEVELS == 0].tolist()
-    stream = _tans_encode(side_syms + ordered(sym).tolist(), side_models + ordered(models).tolist(), t)
-
-    flags, repeats = 0, b""
-    if not coded_rows.all():
-        flags = FLAG_REPEATS
-        bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
-        body = bitmap + b"".join(_varint(int(b) - 1) for b in back[~coded_rows])
-        repeats = struct.pack("<I", len(body)) + body
+    models = classes[None, :] * ct.contexts + x.prev
+    escapes += ordered(x.level)[ordered(x.sym) % LEVELS == 0].tolist()
+    stream = _tans_encode(side_syms + ordered(x.sym).tolist(), side_models + ordered(models).tolist(), t)
+    flags, repeats = repeat_section(x.back, x.coded_rows)
     return b"".join([
         HEAD.pack(version, MODE_DICT, flags, 0, tag, base, len(escapes), len(stream)),
         repeats,
         np.array(escapes, "<u2").tobytes(),
-        _pack_bits(ordered(raw), family.raw_bits),
+        _pack_bits(ordered(x.raw), family.raw_bits),
         stream,
     ])
 
@@ -222,46 +194,10 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
             raise DecodeError("ctxtans: an empty block's chunk holds data")
         return np.moveaxis(out, 0, 1)
     ct = t.coder
-    at = HEAD.size
-    back = np.zeros((tokens, heads), np.int64)
-    if flags & FLAG_REPEATS:
-        if len(data) < at + 4:
-            raise DecodeError("ctxtans: truncated chunk")
-        (length,) = struct.unpack_from("<I", data, at)
-        at += 4
-        try:
-            back = _read_repeats(data[at : at + length], tokens, heads)
-        except DecodeError as exc:
-            raise DecodeError(str(exc).replace("ctxans", "ctxtans")) from None
-        at += length
-    coded_rows = back == 0
-    n_coded = int(coded_rows.sum()) * dim
-    raw_len = (n_coded * family.raw_bits + 7) // 8
-    if len(data) != at + 2 * n_escapes + raw_len + stream_len:
-        raise DecodeError("ctxtans: the chunk's sections do not add up to its length")
-    escapes = np.frombuffer(data, "<u2", n_escapes, at).tolist()
-    at += 2 * n_escapes
-    raw = _unpack_bits(data[at : at + raw_len], n_coded, family.raw_bits).tolist()
-    at += raw_len
-    tans = _TansDecoder(data[at:], t)
-    escape_at = 0
-
-    def escape() -> int:
-        nonlocal escape_at
-        if escape_at == len(escapes):
-            raise DecodeError("ctxtans: more escapes than the chunk holds")
-        escape_at += 1
-        return escapes[escape_at - 1]
-
-    classes, refs = [], []
-    for _ in range(channels):
-        cls = tans.next(ct.class_model)  # the models give no symbol of frequency 0: no class past N, no offset past 31
-        offset = tans.next(ct.ref_model)
-        ref = escape() if offset == REF_SYMBOLS - 1 else base + offset
-        if ref >= family.level_count:
-            raise DecodeError("ctxtans: a channel reference is out of range")
-        classes.append(cls)
-        refs.append(ref)
+    back, escape, raw, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxtans", HEAD.size)
+    tans = _TansDecoder(stream, t)
+    # the models give no symbol of frequency 0: no class past N, no offset past 31
+    classes, refs = read_channels(tans.next, channels, base, family, ct, escape, "ctxtans")
     context_of = ct.context_of.tolist()
     prev = [ct.start_context] * channels
     sign_shift, raw_bits, levels = 8 * family.width - 1, family.raw_bits, family.level_count
@@ -288,6 +224,5 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
                 out[tok, h, d] = (s // LEVELS) << sign_shift | lvl << raw_bits | raw[raw_at]
                 raw_at += 1
     tans.finish()
-    if escape_at != len(escapes):
-        raise DecodeError("ctxtans: the chunk holds escapes no symbol uses")
+    escape.finish()
     return np.moveaxis(out, 0, 1)

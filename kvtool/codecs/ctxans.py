@@ -21,41 +21,28 @@ from __future__ import annotations
 
 import threading
 from types import ModuleType
-from typing import cast
-
-import numpy as np
+from typing import ClassVar
 
 from kvtool import _native
-from kvtool.cache import dtype_of
-from kvtool.codecs.base import NativeArrayCodec, BufferLike, as_memoryview
-from kvtool.errors import DecodeError, UsageError
-from kvtool.modeldict import registry
+from kvtool.codecs.dictionary_codec import DictionaryCodec
 from kvtool.modeldict import ctxans_reference as reference
+from kvtool.modeldict import registry
 from kvtool.modeldict.format import Dictionary
 
 MAX_TOKENS = reference.MAX_TOKENS
-_CORE_ERRORS = {1: "malformed chunk", 3: "the chunk was coded with another dictionary"}
 
 
-class CtxAnsCodec(NativeArrayCodec):
+class CtxAnsCodec(DictionaryCodec):
     codec_id = "ctxans"
-    params = ("dict",)
-    spec_param = "dict"
     families = reference.FAMILIES
+    reference_module: ClassVar[ModuleType] = reference
+    core_encode, core_decode = "ctxans_encode", "ctxans_decode"
+    max_tokens = MAX_TOKENS
 
     def __init__(self, dict: str | None = None):  # "dict": the config key users write
-        if dict is None:
-            dict = registry.default_id()
-        if not isinstance(dict, str) or not registry.ID_PATTERN.match(dict):
-            raise UsageError(f"codec 'ctxans': dict must be a dictionary id (32 hex digits), not {dict!r}")
-        self.dict = dict
+        super().__init__(dict)
         self._lock = threading.Lock()
         self._state: tuple[Dictionary, object] | None = None
-
-    @classmethod
-    def spec_value(cls, arg: str) -> str:
-        return registry.resolve(arg)
-
 
     def dictionary(self) -> Dictionary:
         """The dictionary this codec codes with (looked up on first use)."""
@@ -77,42 +64,6 @@ class CtxAnsCodec(NativeArrayCodec):
                 self._state = (dictionary, model)
             return self._state
 
-    def _name(self, dtype: np.dtype, shape) -> str:
-        if not self.supports(dtype):
-            raise UsageError(f"codec 'ctxans' codes {', '.join(reference.FAMILIES)} tensors, not {np.dtype(dtype)}")
-        if len(shape) != 3:
-            raise UsageError(f"codec 'ctxans' takes [heads, tokens, dim] blocks, not shape {list(shape)}")
-        if shape[1] > MAX_TOKENS:
-            raise UsageError(f"codec 'ctxans' takes blocks of at most {MAX_TOKENS} tokens")
-        return dtype_of(np.dtype(dtype)).name
-
-    def encode_array(self, block: np.ndarray) -> bytes:
-        name = self._name(block.dtype, block.shape)
+    def _coders(self) -> tuple[Dictionary, object, object | None]:
         dictionary, model = self._loaded()
-        if model is None:
-            return reference.encode(block, name, dictionary.tables, dictionary.tag)
-        contiguous = np.ascontiguousarray(block)
-        return _native_core().ctxans_encode(_native.byte_view(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
-
-    def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
-        name = self._name(dtype, shape)
-        if out is None:
-            out = np.empty(shape, dtype)
-        elif tuple(out.shape) != tuple(shape) or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
-            raise UsageError(f"ctxans decodes into a C-contiguous {list(shape)} {np.dtype(dtype)} array")
-        dictionary, model = self._loaded()
-        if model is None:
-            out.view(f"u{out.itemsize}")[...] = reference.decode(as_memoryview(buf), name, cast(tuple[int, int, int], tuple(shape)), dictionary.tables, dictionary.tag)
-            return out
-        status = _native_core().ctxans_decode(as_memoryview(buf), _native.byte_view(out), model, _native.DTYPE_CODES[name], *shape)
-        if status:
-            raise DecodeError(f"ctxans: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
-        return out
-
-
-def _native_core() -> ModuleType:
-    """The native core, which a loaded model implies (models are built only when it is there)."""
-    core = _native.core()
-    assert core is not None
-    return core
-
+        return dictionary, dictionary.tables, model

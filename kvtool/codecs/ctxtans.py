@@ -19,22 +19,20 @@ writes and reads the same bytes, slowly. docs/FORMAT.md has the format.
 from __future__ import annotations
 
 import threading
-from typing import cast
+from types import ModuleType
+from typing import ClassVar
 
 import numpy as np
 
 from kvtool import _native
 from kvtool._native import ctxtans_reference as reference
 from kvtool._native.ctxtans_tables import TansTables
-from kvtool.codecs.base import BufferLike, NativeArrayCodec, as_memoryview
-from kvtool.dtypes import dtype_of
-from kvtool.errors import DecodeError, UsageError
+from kvtool.codecs.dictionary_codec import DictionaryCodec
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import Dictionary
 
 #: The most tokens a block may hold (the core's sums stay within 32 bits).
 MAX_TOKENS = 1 << 22
-_CORE_ERRORS = {1: "malformed chunk", 3: "the chunk was coded with another dictionary"}
 _tables_lock = threading.Lock()
 _tables: dict[str, tuple[TansTables, object]] = {}  # dictionary id -> its tables and their core model
 
@@ -58,22 +56,12 @@ def tables_of(dictionary: Dictionary) -> tuple[TansTables, object]:
         return _tables[dictionary.id]
 
 
-class CtxTansCodec(NativeArrayCodec):
+class CtxTansCodec(DictionaryCodec):
     codec_id = "ctxtans"
-    params = ("dict",)
-    spec_param = "dict"
     families = reference.FAMILIES
-
-    def __init__(self, dict: str | None = None):  # "dict": the config key users write
-        if dict is None:
-            dict = registry.default_id()
-        if not isinstance(dict, str) or not registry.ID_PATTERN.match(dict):
-            raise UsageError(f"codec 'ctxtans': dict must be a dictionary id (32 hex digits), not {dict!r}")
-        self.dict = dict
-
-    @classmethod
-    def spec_value(cls, arg: str) -> str:
-        return registry.resolve(arg)
+    reference_module: ClassVar[ModuleType] = reference
+    core_encode, core_decode = "ctxtans_encode", "ctxtans_decode"
+    max_tokens = MAX_TOKENS
 
     def dictionary(self) -> Dictionary:
         """The dictionary this codec codes with (looked up on first use)."""
@@ -83,39 +71,7 @@ class CtxTansCodec(NativeArrayCodec):
         """The core's copy of the dictionary's tables (None without the core): what the batch path codes with."""
         return tables_of(self.dictionary())[1]
 
-    def _name(self, dtype: np.dtype, shape) -> str:
-        if not self.supports(dtype):
-            raise UsageError(f"codec 'ctxtans' codes {', '.join(reference.FAMILIES)} tensors, not {np.dtype(dtype)}")
-        if len(shape) != 3:
-            raise UsageError(f"codec 'ctxtans' takes [heads, tokens, dim] blocks, not shape {list(shape)}")
-        if shape[1] > MAX_TOKENS:
-            raise UsageError(f"codec 'ctxtans' takes blocks of at most {MAX_TOKENS} tokens")
-        return dtype_of(np.dtype(dtype)).name
-
-    def encode_array(self, block: np.ndarray) -> bytes:
-        name = self._name(block.dtype, block.shape)
+    def _coders(self) -> tuple[Dictionary, object, object | None]:
         dictionary = self.dictionary()
         tables, model = tables_of(dictionary)
-        core = _native.core()
-        if core is None or model is None:
-            return reference.encode(block, name, tables, dictionary.tag)
-        contiguous = np.ascontiguousarray(block)
-        return core.ctxtans_encode(_native.byte_view(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
-
-    def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
-        name = self._name(dtype, shape)
-        if out is None:
-            out = np.empty(shape, dtype)
-        elif tuple(out.shape) != tuple(shape) or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
-            raise UsageError(f"ctxtans decodes into a C-contiguous {list(shape)} {np.dtype(dtype)} array")
-        dictionary = self.dictionary()
-        tables, model = tables_of(dictionary)
-        core = _native.core()
-        if core is None or model is None:
-            block = reference.decode(as_memoryview(buf), name, cast(tuple[int, int, int], tuple(shape)), tables, dictionary.tag)
-            out.view(f"u{out.itemsize}")[...] = block
-            return out
-        status = core.ctxtans_decode(as_memoryview(buf), _native.byte_view(out), model, _native.DTYPE_CODES[name], *shape)
-        if status:
-            raise DecodeError(f"ctxtans: {_CORE_ERRORS.get(status, f'decoder status {status}')}")
-        return out
+        return dictionary, tables, model

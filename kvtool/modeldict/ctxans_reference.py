@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,52 +181,140 @@ class _RansDecoder:
             raise DecodeError("ctxans: the entropy-coded stream does not end where its symbols do")
 
 
-def encode(block: np.ndarray, dtype_name: str, tables: CoderTables, tag: bytes) -> bytes:
-    """The ctxans chunk of a block ``[heads, tokens, dim]`` (any strides)."""
-    family = FAMILIES[dtype_name]
+@dataclass(frozen=True)
+class Analysis:
+    """What ctxans and ctxtans both learn of a block before coding it: each value's level, raw bits, symbol
+    and context ``[tokens, channels]``, each channel's reference, each row's repeat distance and whether it
+    is coded ``[tokens, heads]``, which values are coded, and each class's cost for each channel."""
+
+    level: np.ndarray
+    raw: np.ndarray
+    refs: np.ndarray
+    sym: np.ndarray
+    back: np.ndarray
+    coded_rows: np.ndarray
+    coded: np.ndarray
+    prev: np.ndarray
+    totals: np.ndarray  # [channels, classes]
+
+
+def analyse(block: np.ndarray, family: Family, tables: CoderTables, cost: np.ndarray, class_cost: np.ndarray) -> Analysis:
+    """The analysis of a non-empty block ``[heads, tokens, dim]``, with the contexts of ``tables`` and the
+    costs of the coder's own models (``cost``, ``class_cost``: what ``tables`` holds for rANS)."""
     heads, tokens, dim = block.shape
     channels = heads * dim
-    if not heads * tokens * dim:
-        return HEAD.pack(VERSION, 0, tag, 0, 0, 0)
     bits = np.ascontiguousarray(block).view(f"u{family.width}")
     sign, level, raw = (np.moveaxis(a, 0, 1).reshape(tokens, channels) for a in fields(bits, family))
     refs = level.sum(axis=0) // tokens
     sym = symbols(sign, level, refs)
     back = repeated_rows(bits)
     coded_rows = back == 0
-    coded = np.repeat(coded_rows, dim, axis=1)  # [tokens, channels]
+    coded = np.repeat(coded_rows, dim, axis=1)
 
-    # Each channel's class: the cheapest for its coded symbols in their contexts, the lowest on a tie.
+    # Each class's cost for a channel's coded symbols in their contexts, plus the cost of naming the class.
     prev = contexts(sym, tables)
     bins = tables.contexts * SYMBOLS
     pairs = (np.arange(channels) * bins + prev * SYMBOLS + sym)[coded]
     counts = np.bincount(pairs, minlength=channels * bins).reshape(channels, bins)
-    classes = np.argmin(counts @ tables.cost.astype(np.int64) + tables.class_cost, axis=1)
+    totals = counts @ cost.astype(np.int64) + class_cost
+    return Analysis(level, raw, refs, sym, back, coded_rows, coded, prev, totals)
 
+
+def side_information(classes: np.ndarray, refs: np.ndarray, tables: CoderTables) -> tuple[int, list[int], list[int], list[int]]:
+    """The base reference, each channel's class and reference offset as symbols with their models, and
+    the references the offsets escape."""
     base = int(refs.min())
     offsets = refs - base
     side_syms, side_models, escapes = [], [], []
-    for c in range(channels):
+    for c in range(len(classes)):
         side_syms += [int(classes[c]), int(min(offsets[c], REF_SYMBOLS - 1))]
         side_models += [tables.class_model, tables.ref_model]
         if offsets[c] >= REF_SYMBOLS - 1:
             escapes.append(int(refs[c]))
-    models = classes[None, :] * tables.contexts + prev
-    value_syms, value_models = sym[coded].tolist(), models[coded].tolist()
-    escapes += level[coded][sym[coded] % LEVELS == 0].tolist()
-    stream = _rans_encode(side_syms + value_syms, side_models + value_models, tables)
+    return base, side_syms, side_models, escapes
 
-    flags, repeats = 0, b""
-    if not coded_rows.all():
-        flags = FLAG_REPEATS
-        bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
-        body = bitmap + b"".join(_varint(int(b) - 1) for b in back[~coded_rows])
-        repeats = struct.pack("<I", len(body)) + body
+
+def repeat_section(back: np.ndarray, coded_rows: np.ndarray) -> tuple[int, bytes]:
+    """The chunk's flags and repeat section: a bitmap of the repeated rows, then each one's distance."""
+    if coded_rows.all():
+        return 0, b""
+    bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
+    body = bitmap + b"".join(_varint(int(b) - 1) for b in back[~coded_rows])
+    return FLAG_REPEATS, struct.pack("<I", len(body)) + body
+
+
+class Escapes:
+    """A chunk's escape list, handed out in order; ``finish`` checks that every escape was used."""
+
+    def __init__(self, values: list[int], codec: str):
+        self.values, self.codec, self.at = values, codec, 0
+
+    def __call__(self) -> int:
+        if self.at == len(self.values):
+            raise DecodeError(f"{self.codec}: more escapes than the chunk holds")
+        self.at += 1
+        return self.values[self.at - 1]
+
+    def finish(self) -> None:
+        if self.at != len(self.values):
+            raise DecodeError(f"{self.codec}: the chunk holds escapes no symbol uses")
+
+
+def read_sections(data: bytes, flags: int, shape: tuple[int, int, int], family: Family, n_escapes: int,
+                  stream_len: int, codec: str, at: int) -> tuple[np.ndarray, Escapes, list[int], bytes]:
+    """The sections after the head at ``at``: each row's repeat distance ``[tokens, heads]``, the escapes,
+    the coded values' raw bits and the entropy-coded stream, checked to tile the chunk exactly."""
+    heads, tokens, dim = shape
+    back = np.zeros((tokens, heads), np.int64)
+    if flags & FLAG_REPEATS:
+        if len(data) < at + 4:
+            raise DecodeError(f"{codec}: truncated chunk")
+        (length,) = struct.unpack_from("<I", data, at)
+        at += 4
+        back = _read_repeats(data[at : at + length], tokens, heads, codec)
+        at += length
+    n_coded = int((back == 0).sum()) * dim
+    raw_len = (n_coded * family.raw_bits + 7) // 8
+    if len(data) != at + 2 * n_escapes + raw_len + stream_len:
+        raise DecodeError(f"{codec}: the chunk's sections do not add up to its length")
+    escapes = Escapes(np.frombuffer(data, "<u2", n_escapes, at).tolist(), codec)
+    at += 2 * n_escapes
+    raw = _unpack_bits(data[at : at + raw_len], n_coded, family.raw_bits).tolist()
+    return back, escapes, raw, data[at + raw_len :]
+
+
+def read_channels(next_symbol: Callable[[int], int], channels: int, base: int, family: Family, tables: CoderTables,
+                  escape: Escapes, codec: str) -> tuple[list[int], list[int]]:
+    """Each channel's class and reference, decoded with ``next_symbol(model)``."""
+    classes, refs = [], []
+    for _ in range(channels):
+        classes.append(next_symbol(tables.class_model))
+        offset = next_symbol(tables.ref_model)
+        ref = escape() if offset == REF_SYMBOLS - 1 else base + offset
+        if ref >= family.level_count:
+            raise DecodeError(f"{codec}: a channel reference is out of range")
+        refs.append(ref)
+    return classes, refs
+
+
+def encode(block: np.ndarray, dtype_name: str, tables: CoderTables, tag: bytes) -> bytes:
+    """The ctxans chunk of a block ``[heads, tokens, dim]`` (any strides)."""
+    family = FAMILIES[dtype_name]
+    if not block.size:
+        return HEAD.pack(VERSION, 0, tag, 0, 0, 0)
+    x = analyse(block, family, tables, tables.cost, tables.class_cost)
+    classes = np.argmin(x.totals, axis=1)  # the cheapest class, the lowest on a tie
+    base, side_syms, side_models, escapes = side_information(classes, x.refs, tables)
+    models = classes[None, :] * tables.contexts + x.prev
+    value_syms, value_models = x.sym[x.coded].tolist(), models[x.coded].tolist()
+    escapes += x.level[x.coded][x.sym[x.coded] % LEVELS == 0].tolist()
+    stream = _rans_encode(side_syms + value_syms, side_models + value_models, tables)
+    flags, repeats = repeat_section(x.back, x.coded_rows)
     return b"".join([
         HEAD.pack(VERSION, flags, tag, base, len(escapes), len(stream)),
         repeats,
         np.array(escapes, "<u2").tobytes(),
-        _pack_bits(raw[coded], family.raw_bits),
+        _pack_bits(x.raw[x.coded], family.raw_bits),
         stream,
     ])
 
@@ -248,42 +337,9 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
         if len(data) != HEAD.size or flags or base or n_escapes or stream_len:
             raise DecodeError("ctxans: an empty block's chunk holds data")
         return np.moveaxis(out, 0, 1)
-    at = HEAD.size
-    back = np.zeros((tokens, heads), np.int64)
-    if flags & FLAG_REPEATS:
-        if len(data) < at + 4:
-            raise DecodeError("ctxans: truncated chunk")
-        (length,) = struct.unpack_from("<I", data, at)
-        at += 4
-        back = _read_repeats(data[at : at + length], tokens, heads)
-        at += length
-    coded_rows = back == 0
-    n_coded = int(coded_rows.sum()) * dim
-    raw_len = (n_coded * family.raw_bits + 7) // 8
-    if len(data) != at + 2 * n_escapes + raw_len + stream_len:
-        raise DecodeError("ctxans: the chunk's sections do not add up to its length")
-    escapes = np.frombuffer(data, "<u2", n_escapes, at).tolist()
-    at += 2 * n_escapes
-    raw = _unpack_bits(data[at : at + raw_len], n_coded, family.raw_bits).tolist()
-    at += raw_len
-    rans = _RansDecoder(data[at:], tables)
-    escape_at = 0
-
-    def escape() -> int:
-        nonlocal escape_at
-        if escape_at == len(escapes):
-            raise DecodeError("ctxans: more escapes than the chunk holds")
-        escape_at += 1
-        return escapes[escape_at - 1]
-
-    classes, refs = [], []
-    for _ in range(channels):
-        classes.append(rans.next(tables.class_model))
-        offset = rans.next(tables.ref_model)
-        ref = escape() if offset == REF_SYMBOLS - 1 else base + offset
-        if ref >= family.level_count:
-            raise DecodeError("ctxans: a channel reference is out of range")
-        refs.append(ref)
+    back, escape, raw, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxans", HEAD.size)
+    rans = _RansDecoder(stream, tables)
+    classes, refs = read_channels(rans.next, channels, base, family, tables, escape, "ctxans")
     context_of = tables.context_of.tolist()
     prev = [tables.start_context] * channels
     sign_shift, raw_bits = 8 * family.width - 1, family.raw_bits
@@ -311,26 +367,25 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
                 row[d] = (s // LEVELS) << sign_shift | level << raw_bits | raw[raw_at]
                 raw_at += 1
     rans.finish()
-    if escape_at != len(escapes):
-        raise DecodeError("ctxans: the chunk holds escapes no symbol uses")
+    escape.finish()
     return np.moveaxis(out, 0, 1)
 
 
-def _read_repeats(body: bytes, tokens: int, heads: int) -> np.ndarray:
+def _read_repeats(body: bytes, tokens: int, heads: int, codec: str) -> np.ndarray:
     rows = tokens * heads
     bitmap_len = (rows + 7) // 8
     if len(body) < bitmap_len:
-        raise DecodeError("ctxans: truncated repeat section")
+        raise DecodeError(f"{codec}: truncated repeat section")
     flags = np.unpackbits(np.frombuffer(body, np.uint8, bitmap_len), bitorder="little")
     if flags[rows:].any():
-        raise DecodeError("ctxans: bad repeat bitmap padding")
+        raise DecodeError(f"{codec}: bad repeat bitmap padding")
     back = np.zeros(rows, np.int64)
     at = bitmap_len
     for row in np.flatnonzero(flags[:rows]).tolist():
         value, shift = 0, 0
         while True:
             if at == len(body) or shift > 28:
-                raise DecodeError("ctxans: bad repeat distance")
+                raise DecodeError(f"{codec}: bad repeat distance")
             byte = body[at]
             at += 1
             value |= (byte & 0x7F) << shift
@@ -339,5 +394,5 @@ def _read_repeats(body: bytes, tokens: int, heads: int) -> np.ndarray:
                 break
         back[row] = value + 1
     if at != len(body):
-        raise DecodeError("ctxans: the repeat section has trailing bytes")
+        raise DecodeError(f"{codec}: the repeat section has trailing bytes")
     return back.reshape(tokens, heads)
