@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
     tally = Tally(requests=sum(len(b) for r in rounds for b in r.batches))
     work = Path(tempfile.mkdtemp(prefix="kvtool-torture-"))
     started = time.monotonic()
+    redis = cluster = None
     try:
         reference = Engine(engine_spec(args.model, None, True, shape, args.seed), work, "reference")
         reference_out = run_rounds([reference], rounds, args.max_tokens)
@@ -272,9 +273,6 @@ def run(args: argparse.Namespace) -> dict:
         for engine in engines:
             tally.preemptions += engine.preemptions
             engine.close()
-        for server in (redis, cluster):
-            if server:
-                server.stop()
 
         tally.wrong, tally.vllm_own, differences = compare(rounds, kvtool_out, reference_out)
         for batches in kvtool_out:
@@ -287,6 +285,9 @@ def run(args: argparse.Namespace) -> dict:
         tally.second_engine_restored = sum(r["restored"] > 0 for number, rnd in enumerate(rounds)
                                            if len(rnd.batches) > 1 for r in kvtool_out[number][1])
     finally:
+        for server in (redis, cluster):  # also when the run failed: no server outlives it
+            if server:
+                server.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return {"seed": args.seed, **shape, "concurrency": args.concurrency, "rounds": len(rounds),

@@ -132,25 +132,35 @@ class Faults:
         self.rng, self.store_dir, self.capacity = rng, store_dir, capacity
         self.redis, self.cluster, self.counts = redis, cluster, counts
 
-    def entry_files(self) -> list[Path]:
-        return sorted(self.store_dir.rglob("*.kve"))
+    def entry_files(self) -> list[tuple[float, Path]]:
+        """(mtime, path) of the file tier's entries, newest first; an entry the store moves or removes
+        meanwhile (a demotion, an eviction) is left out."""
+        found = []
+        for path in self.store_dir.rglob("*.kve"):
+            try:
+                found.append((path.stat().st_mtime, path))
+            except FileNotFoundError:
+                continue
+        return sorted(found, reverse=True)
 
     def damage(self, kind: str) -> bool:
-        files = self.entry_files()
+        files = [path for _, path in self.entry_files()]
         if not files:
             return False
-        newest = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)  # what the next turns may restore
-        for path in self.rng.sample(newest[: max(1, len(files) // 2)], max(1, len(files) // 4)):
-            if kind == "delete":
-                path.unlink(missing_ok=True)
-            elif kind == "truncate":
-                os.truncate(path, path.stat().st_size // 2)
-            else:
-                with open(path, "r+b") as f:
-                    f.seek(self.rng.randrange(path.stat().st_size))
-                    byte = f.read(1)
-                    f.seek(-1, 1)
-                    f.write(bytes([byte[0] ^ (1 << self.rng.randrange(8))]))
+        for path in self.rng.sample(files[: max(1, len(files) // 2)], max(1, len(files) // 4)):  # what the next turns may restore
+            try:
+                if kind == "delete":
+                    path.unlink()
+                elif kind == "truncate":
+                    os.truncate(path, path.stat().st_size // 2)
+                else:
+                    with open(path, "r+b") as f:
+                        f.seek(self.rng.randrange(path.stat().st_size))
+                        byte = f.read(1)
+                        f.seek(-1, 1)
+                        f.write(bytes([byte[0] ^ (1 << self.rng.randrange(8))]))
+            except FileNotFoundError:  # the store moved it first
+                continue
         return True
 
     def fill_tier(self) -> bool:
