@@ -167,7 +167,7 @@ class Engine:
 
 
 def run_rounds(engines: list[Engine], rounds: list[Round], max_tokens: int,
-               before_round=None) -> list[list[list[dict]]]:
+               before_round=None, progress=None) -> list[list[list[dict]]]:
     """Each round's batches: at once on separate engines where there are enough, else one after another."""
     outputs = []
     for number, rnd in enumerate(rounds):
@@ -180,6 +180,8 @@ def run_rounds(engines: list[Engine], rounds: list[Round], max_tokens: int,
                 engine.send(batch, max_tokens)
             results.extend(engine.receive() for engine, _ in group)
         outputs.append(results)
+        if progress is not None:
+            progress(number, outputs)
     return outputs
 
 
@@ -269,7 +271,17 @@ def run(args: argparse.Namespace) -> dict:
             if rnd.fault:
                 injector.inject(rnd.fault, swap_engine)
 
-        kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round)
+        def progress(number: int, outputs: list) -> None:
+            """A line a round on stderr: how far the run is, and how many outputs differ so far (a run
+            cut short still says what it found)."""
+            done = [(got, want) for r in range(number + 1) for b, batch in enumerate(outputs[r])
+                    for got, want in zip(batch, reference_out[r][b])]
+            print(f"round {number + 1}/{len(rounds)}: {len(done)} requests, "
+                  f"{sum(got['restored'] > 0 for got, _ in done)} restored, "
+                  f"{sum(got['tokens'] != want['tokens'] for got, want in done)} differ, faults {tally.faults}, "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+        kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round, progress)
         for engine in engines:
             tally.preemptions += engine.preemptions
             engine.close()
