@@ -60,6 +60,11 @@ class TestRedisClusterShared(SharedStoreTests):
     (16 KiB); at 1 MiB it would grow into the room and make Redis refuse writes instead of evicting."""
 
     ROOM = 512 * 1024  # for keys and for the clients' buffers, which Redis counts too: the 40 keys do not fit
+    # Redis refuses a write (OOM) when the clients' buffers alone fill the room, as they do at
+    # moments with every writer sending 48 KiB values, the more the slower the machine; kvtool
+    # reports it as not stored. Such refusals are Redis's policy, not failures: they are bounded
+    # here only so that a store refusing everything still fails.
+    REFUSALS = 0.5
 
     @pytest.fixture
     def shared_url(self, redis_cluster):
