@@ -6,10 +6,12 @@ A seeded random workload (sessions with shared and private prefixes, several ten
 ``cache_salt``, prompts that end mid-entry and mid-block, concurrent requests, a KV space
 small enough that vLLM preempts) runs twice on vLLM's CPU build in the same process mode:
 once through vLLM's own prefix cache (the reference), once with kvtool's connector over a
-file store (and a Redis tier when ``redis-server`` is installed), with faults injected
-between saves and restores: entries deleted, truncated or bit-flipped, the file tier filled
-to its capacity, Redis killed and restarted, the engine SIGKILLed and started again over
-the same store, and a second engine serving from the same store. Block size and entry
+file store (and, when ``redis-server`` is installed, a Redis Cluster below it and a single
+Redis below that), with faults injected between saves and restores (benchmarks/torture_faults.py):
+entries deleted, truncated or bit-flipped, the file tier filled to its capacity, Redis
+killed and restarted, a cluster master SIGKILLed (its replica takes over; it comes back as a
+replica), the engine SIGKILLed and started again over the same store, and a second engine
+opening the same store URL (one file folder, one cluster, one Redis) serving half a round. Block size and entry
 size are drawn from the seed, so runs differ.
 
 Every kvtool output is compared with the reference's for the same prompt in the same
@@ -37,10 +39,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torture_faults import Cluster, Faults, Redis
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ROOT / "samples" / "texts"
 ENGINE = Path(__file__).with_name("torture_engine.py")
-FAULTS = ("delete", "truncate", "bitflip", "tier_full", "redis_restart", "engine_kill", "second_engine")
+FAULTS = ("delete", "truncate", "bitflip", "tier_full", "redis_restart", "cluster_master_kill", "engine_kill",
+          "second_engine")
+SERVER_FAULTS = ("redis_restart", "cluster_master_kill")  # these need redis-server
 TENANTS = (None, "tenant-a", "tenant-b")
 
 
@@ -66,15 +72,17 @@ class Tally:
     recomputed_after_fault: int = 0
     wrong: int = 0
     vllm_own: int = 0
+    second_engine_restored: int = 0
     preemptions: int = 0
     faults: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in FAULTS})
 
 
 def build_workload(rng: random.Random, requests: int, concurrency: int, fault_rate: float,
-                   faults: tuple[str, ...]) -> list[Round]:
-    """Sessions over shared system prefixes; each turn appends to its session's prompt."""
+                   faults: tuple[str, ...], max_chars: int = 5000) -> list[Round]:
+    """Sessions over shared system prefixes; each turn appends to its session's prompt (its last
+    ``max_chars`` characters are kept: shorter prompts make a request cheaper to prefill)."""
     texts = [p.read_text() for p in sorted(TEXTS.glob("*.txt"))]
-    shared = [t[: rng.randrange(1500, 4000)] for t in texts]
+    shared = [t[: rng.randrange(min(1500, max_chars // 2), min(4000, max_chars))] for t in texts]
     sessions: list[tuple[str | None, str]] = []
     rounds: list[Round] = []
     made = 0
@@ -89,7 +97,7 @@ def build_workload(rng: random.Random, requests: int, concurrency: int, fault_ra
             salt, text = sessions[i]
             source = rng.choice(texts)
             start = rng.randrange(0, len(source) - 800)
-            text = (text + "\n\nUser: " + source[start: start + rng.randrange(200, 800)])[-5000:]
+            text = (text + "\n\nUser: " + source[start: start + rng.randrange(200, 800)])[-max_chars:]
             sessions[i] = (salt, text)
             batch.append(Prompt(text + "\nAssistant:", salt))
         made += len(batch)
@@ -159,7 +167,7 @@ class Engine:
 
 
 def run_rounds(engines: list[Engine], rounds: list[Round], max_tokens: int,
-               before_round=None) -> list[list[list[dict]]]:
+               before_round=None, progress=None) -> list[list[list[dict]]]:
     """Each round's batches: at once on separate engines where there are enough, else one after another."""
     outputs = []
     for number, rnd in enumerate(rounds):
@@ -172,104 +180,9 @@ def run_rounds(engines: list[Engine], rounds: list[Round], max_tokens: int,
                 engine.send(batch, max_tokens)
             results.extend(engine.receive() for engine, _ in group)
         outputs.append(results)
+        if progress is not None:
+            progress(number, outputs)
     return outputs
-
-
-class Redis:
-    """A throwaway redis-server on a loopback port, killed and restarted by the fault injector."""
-
-    def __init__(self, work: Path) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.work = work
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=self.work)
-        for _ in range(100):
-            try:
-                import socket
-
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-class Faults:
-    """Injects one fault kind between a save and the restores that follow it."""
-
-    def __init__(self, rng: random.Random, store_dir: Path, store_url: str, capacity: int,
-                 redis: Redis | None, tally: Tally) -> None:
-        self.rng, self.store_dir, self.store_url, self.capacity = rng, store_dir, store_url, capacity
-        self.redis, self.tally = redis, tally
-
-    def entry_files(self) -> list[Path]:
-        return sorted(self.store_dir.rglob("*.kve"))
-
-    def damage(self, kind: str) -> bool:
-        files = self.entry_files()
-        if not files:
-            return False
-        newest = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)  # what the next turns may restore
-        for path in self.rng.sample(newest[: max(1, len(files) // 2)], max(1, len(files) // 4)):
-            if kind == "delete":
-                path.unlink(missing_ok=True)
-            elif kind == "truncate":
-                os.truncate(path, path.stat().st_size // 2)
-            else:
-                with open(path, "r+b") as f:
-                    f.seek(self.rng.randrange(path.stat().st_size))
-                    byte = f.read(1)
-                    f.seek(-1, 1)
-                    f.write(bytes([byte[0] ^ (1 << self.rng.randrange(8))]))
-        return True
-
-    def fill_tier(self) -> bool:
-        """Other entries up to the file tier's capacity, so the next saves must make room."""
-        from kvtool.store import open_store
-
-        with open_store(f"file://{self.store_dir}?capacity={self.capacity}") as store:
-            filler = os.urandom(256 * 1024)
-            for i in range(self.capacity // len(filler)):
-                store.put(f"torture-filler-{self.rng.getrandbits(64):016x}-{i}", filler)
-        return True
-
-    def recover(self) -> None:
-        if self.redis is not None and self.redis.proc is None:
-            self.redis.start()
-
-    def inject(self, kind: str, swap_engine) -> bool:
-        if kind in ("delete", "truncate", "bitflip"):
-            done = self.damage(kind)
-        elif kind == "tier_full":
-            done = self.fill_tier()
-        elif kind == "redis_restart":
-            if self.redis is None:
-                return False
-            self.redis.stop()  # down for this round; ``recover`` starts it again (empty) before the next
-            done = True
-        else:
-            done = swap_engine(kind)
-        if done:
-            self.tally.faults[kind] += 1
-        return done
 
 
 def engine_spec(model: str, store: str | None, prefix_caching: bool, shape: dict, seed: int) -> dict:
@@ -320,11 +233,12 @@ def run(args: argparse.Namespace) -> dict:
     chunk_tokens = block_size * rng.choice([1, 2, 3])
     shape = {"block_size": block_size, "chunk_tokens": chunk_tokens,
              "num_blocks": -(-2048 // block_size) + rng.randrange(2, 8)}
-    faults = tuple(f for f in FAULTS if f in args.faults and (f != "redis_restart" or shutil.which("redis-server")))
-    rounds = build_workload(rng, args.requests, args.concurrency, args.fault_rate, faults)
+    faults = tuple(f for f in FAULTS if f in args.faults and (f not in SERVER_FAULTS or shutil.which("redis-server")))
+    rounds = build_workload(rng, args.requests, args.concurrency, args.fault_rate, faults, args.max_prompt_chars)
     tally = Tally(requests=sum(len(b) for r in rounds for b in r.batches))
     work = Path(tempfile.mkdtemp(prefix="kvtool-torture-"))
     started = time.monotonic()
+    redis = cluster = None
     try:
         reference = Engine(engine_spec(args.model, None, True, shape, args.seed), work, "reference")
         reference_out = run_rounds([reference], rounds, args.max_tokens)
@@ -333,12 +247,14 @@ def run(args: argparse.Namespace) -> dict:
 
         store_dir = work / "store"
         redis = Redis(work) if "redis_restart" in faults else None
+        cluster = Cluster(work) if "cluster_master_kill" in faults else None
         capacity = args.file_capacity_mib << 20
-        store_url = f"file://{store_dir}?capacity={capacity}" + (f",{redis.url}" if redis else "")
+        # The cluster takes what the file tier demotes; a lookup that misses both goes on to Redis.
+        store_url = ",".join([f"file://{store_dir}?capacity={capacity}"] + [s.url for s in (cluster, redis) if s])
         spec = engine_spec(args.model, store_url, False, shape, args.seed)
-        engines = [Engine(spec, work, "kvtool-0")]
+        engines = [Engine(spec, work, "kvtool-0")]  # every engine, the second one too, opens this one store
         starts = [1]
-        injector = Faults(rng, store_dir, store_url, capacity, redis, tally)
+        injector = Faults(rng, store_dir, capacity, redis, cluster, tally.faults)
 
         def swap_engine(kind: str) -> bool:
             if kind == "engine_kill":
@@ -355,12 +271,20 @@ def run(args: argparse.Namespace) -> dict:
             if rnd.fault:
                 injector.inject(rnd.fault, swap_engine)
 
-        kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round)
+        def progress(number: int, outputs: list) -> None:
+            """A line a round on stderr: how far the run is, and how many outputs differ so far (a run
+            cut short still says what it found)."""
+            done = [(got, want) for r in range(number + 1) for b, batch in enumerate(outputs[r])
+                    for got, want in zip(batch, reference_out[r][b])]
+            print(f"round {number + 1}/{len(rounds)}: {len(done)} requests, "
+                  f"{sum(got['restored'] > 0 for got, _ in done)} restored, "
+                  f"{sum(got['tokens'] != want['tokens'] for got, want in done)} differ, faults {tally.faults}, "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+        kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round, progress)
         for engine in engines:
             tally.preemptions += engine.preemptions
             engine.close()
-        if redis:
-            redis.stop()
 
         tally.wrong, tally.vllm_own, differences = compare(rounds, kvtool_out, reference_out)
         for batches in kvtool_out:
@@ -369,12 +293,19 @@ def run(args: argparse.Namespace) -> dict:
                     tally.restored_requests += r["restored"] > 0
                     tally.restored_tokens += r["restored"]
                     tally.recomputed_after_fault += r["failed_entries"] > 0
+        # What the second engine restored: the first engine's saves (the store is one), or its own.
+        tally.second_engine_restored = sum(r["restored"] > 0 for number, rnd in enumerate(rounds)
+                                           if len(rnd.batches) > 1 for r in kvtool_out[number][1])
     finally:
+        for server in (redis, cluster):  # also when the run failed: no server outlives it
+            if server:
+                server.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     return {"seed": args.seed, **shape, "concurrency": args.concurrency, "rounds": len(rounds),
             "requests": tally.requests, "restored_requests": tally.restored_requests,
             "restored_tokens": tally.restored_tokens, "recomputed_after_fault": tally.recomputed_after_fault,
+            "second_engine_restored": tally.second_engine_restored,
             "wrong": tally.wrong, "vllm_own": tally.vllm_own, "faults": tally.faults,
             "preemptions": tally.preemptions, "reference_preemptions": reference_preemptions,
             "differences": differences, "seconds": round(time.monotonic() - started, 1), **({"work": str(work)} if args.keep else {})}
@@ -389,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-rate", type=float, default=0.5, help="chance of a fault before each round")
     parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
     parser.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64, 128])
+    parser.add_argument("--max-prompt-chars", type=int, default=5000, help="a prompt's length at most")
     parser.add_argument("--file-capacity-mib", type=int, default=64, help="the file tier's capacity")
     parser.add_argument("--model", default=str(ROOT / "out" / "smollm2-135m"))
     parser.add_argument("--keep", action="store_true", help="keep the work folder (engine logs, store)")

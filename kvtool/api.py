@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvtool import kvz
 from kvtool.cache import KVCache, ModelFacts
+from kvtool.errors import OutputTooLargeError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 
 
@@ -36,12 +37,17 @@ def load(
     ``pattern`` and ``model`` describe safetensors files written by other tools
     (see ``KVCache.load``); ``threads`` decode a .kvz (all cores by default). ``max_size``
     caps the bytes decoded from a .kvz, and ``max_expansion`` how many times its stored size a
-    token block may decode to; a file claiming more is refused before anything is decoded.
+    token block may decode to; a file claiming more is refused before anything is decoded. Running
+    out of memory is an ``OutputTooLargeError`` (exit status 4), as going over ``max_size`` is.
     """
     if kvz.is_kvz(path):
         with kvz.open_kvz(path, max_size=max_size, max_expansion=max_expansion) as reader:
             return reader.read(layers=layers, tokens=tokens, threads=threads)
-    return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
+    try:
+        return KVCache.load(path, layers=layers, tokens=tokens, pattern=pattern, model=model)
+    except MemoryError:
+        raise OutputTooLargeError(f"{path}: out of memory reading it (fewer layers or tokens, or more memory "
+                                  "may fit)") from None
 
 
 def save(

@@ -9,6 +9,7 @@ Every error a user can cause (bad input, a missing library, corrupt data) is a
     2    usage: a bad option, argument, spec or input path
     3    unavailable: a library is missing here, or a store server cannot be reached
     4    input that does not decode: corrupt, truncated, not this format, or over a size limit
+         (the caller's, or the memory there is to decode it into)
     130  interrupted (Ctrl-C); 143 terminated (SIGTERM); partly written files are removed
 """
 

@@ -4,13 +4,16 @@
 #
 #   bash scripts/redis-cluster.sh start DIR [FIRST_PORT|auto]   # prints the store URL
 #   bash scripts/redis-cluster.sh stop DIR
+#   bash scripts/redis-cluster.sh restart DIR PORT              # one node again, after a crash
 #
 # The nodes listen on FIRST_PORT..FIRST_PORT+5 (default 7000; `auto` picks six free
 # ports; each node also uses its port + 10000 for the cluster bus), keep no data on disk,
 # and write their logs, pid files and cluster state into DIR. `start` waits until every
 # node reports cluster_state:ok and every replica is in sync, and prints
 # redis+cluster://127.0.0.1:PORT,... (also written to DIR/url). `stop` ends exactly the
-# processes named by DIR's pid files.
+# processes named by DIR's pid files. `restart` starts one node of DIR's cluster again with
+# the cluster state it kept (nodes-PORT.conf) and no data: a killed master comes back as a
+# replica of the node that took over, or as an empty master if none did.
 #
 # KVTOOL_CLUSTER_NODE_TIMEOUT (ms, default 2000) is how long a silent master has before
 # its replica takes over. cluster-require-full-coverage is off, so while one master is
@@ -19,7 +22,7 @@
 # bus over TLS only; the URL is then rediss+cluster://...?ssl_ca_certs=DIR/ca.crt.
 set -euo pipefail
 
-usage() { echo "usage: $0 start DIR [FIRST_PORT|auto] | stop DIR" >&2; exit 2; }
+usage() { echo "usage: $0 start DIR [FIRST_PORT|auto] | stop DIR | restart DIR PORT" >&2; exit 2; }
 [ $# -ge 2 ] || usage
 action=$1 dir=$2
 cli=(redis-cli)
@@ -42,28 +45,40 @@ stop() {
     rm -f "$dir"/redis-*.pid
 }
 
-start() {
-    local first=${1:-7000} timeout=${KVTOOL_CLUSTER_NODE_TIMEOUT:-2000} port nodes=()
-    [ "$first" = auto ] && first=$(free_ports)
-    command -v redis-server >/dev/null || { echo "redis-server is not installed (Debian: apt-get install redis-server)" >&2; exit 1; }
-    mkdir -p "$dir"
-    dir=$(cd "$dir" && pwd)
-    local listen=(--port) scheme=redis query=""
+# The options every node runs with (TLS when KVTOOL_CLUSTER_TLS=1, its files in DIR).
+configure() {
+    timeout=${KVTOOL_CLUSTER_NODE_TIMEOUT:-2000}
+    listen=(--port) scheme=redis query=""
     if [ "${KVTOOL_CLUSTER_TLS:-0}" = 1 ]; then
-        make_certificates
         listen=(--port 0 --tls-cluster yes --tls-replication yes --tls-auth-clients no
                 --tls-cert-file "$dir/node.crt" --tls-key-file "$dir/node.key" --tls-ca-cert-file "$dir/ca.crt" --tls-port)
         cli=(redis-cli --tls --cacert "$dir/ca.crt")
         scheme=rediss query="?ssl_ca_certs=$dir/ca.crt"
     fi
+}
+
+# launch PORT: one node, daemonized, its cluster state in DIR/nodes-PORT.conf.
+launch() {
+    local port=$1
+    redis-server "${listen[@]}" "$port" --bind 127.0.0.1 --save '' --appendonly no \
+        --cluster-enabled yes --cluster-config-file "nodes-$port.conf" \
+        --repl-diskless-sync yes --repl-diskless-sync-delay 0 --repl-diskless-load on-empty-db \
+        --cluster-node-timeout "$timeout" --cluster-require-full-coverage no --shutdown-timeout 0 \
+        --dir "$dir" --logfile "$dir/redis-$port.log" \
+        --daemonize yes --pidfile "$dir/redis-$port.pid"
+}
+
+start() {
+    local first=${1:-7000} port nodes=()
+    [ "$first" = auto ] && first=$(free_ports)
+    command -v redis-server >/dev/null || { echo "redis-server is not installed (Debian: apt-get install redis-server)" >&2; exit 1; }
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd)
+    [ "${KVTOOL_CLUSTER_TLS:-0}" = 1 ] && make_certificates
+    configure
     for port in $(seq "$first" $((first + 5))); do
         rm -f "$dir/nodes-$port.conf"
-        redis-server "${listen[@]}" "$port" --bind 127.0.0.1 --save '' --appendonly no \
-            --cluster-enabled yes --cluster-config-file "nodes-$port.conf" \
-            --repl-diskless-sync yes --repl-diskless-sync-delay 0 --repl-diskless-load on-empty-db \
-            --cluster-node-timeout "$timeout" --cluster-require-full-coverage no --shutdown-timeout 0 \
-            --dir "$dir" --logfile "$dir/redis-$port.log" \
-            --daemonize yes --pidfile "$dir/redis-$port.pid"
+        launch "$port"
         nodes+=("127.0.0.1:$port")
     done
     for port in $(seq "$first" $((first + 5))); do
@@ -82,6 +97,15 @@ start() {
     url="$scheme+cluster://$(IFS=,; echo "${nodes[*]}")$query"
     echo "$url" >"$dir/url"
     echo "$url"
+}
+
+restart() {
+    local port=${1:?restart needs a port}
+    dir=$(cd "$dir" && pwd)
+    [ -f "$dir/nodes-$port.conf" ] || { echo "no node $port in $dir" >&2; exit 2; }
+    configure
+    launch "$port"
+    wait_for "${cli[*]} -p $port ping" PONG "node $port did not start (see $dir/redis-$port.log)"
 }
 
 # A throwaway CA and a certificate for 127.0.0.1 signed by it, valid for two days.
@@ -131,5 +155,6 @@ wait_for() {
 case $action in
     start) start "${3:-}" ;;
     stop) stop ;;
+    restart) restart "${3:-}" ;;
     *) usage ;;
 esac

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -41,6 +42,10 @@ class KvzReader:
     many times its stored size a coded chunk may decode to, checked for the chunks
     a read selects before anything is allocated for them, so a small file cannot
     make a reader allocate much more than its own size times that.
+
+    Reading that runs out of memory (under a process memory limit, or a cache larger than
+    the memory there is) ends in ``KvzTooLargeError``, as a read over ``max_size`` does,
+    never in a raw ``MemoryError``.
     """
 
     def __init__(self, source: ByteSource, name: str = "<bytes>", max_size: int = DEFAULT_MAX_SIZE,
@@ -48,16 +53,22 @@ class KvzReader:
         self._source = source
         self.name = name
         try:
-            self.max_size = _limit(max_size, "max_size")
-            self.max_expansion = _limit(max_expansion, "max_expansion", 1)
-            self.header = KvzHeader.validate(read_metadata(source, name), name)
-            largest = max((spec.nbytes for specs in self.header.block_planes.values() for spec in specs), default=0)
-            if largest > self.max_size:
-                raise KvzTooLargeError(f"{name}: a chunk would decode to {largest} bytes, over the limit of {self.max_size}")
-            self._pipeline = pipeline_for(self.header)
+            self._open(max_size, max_expansion)
+        except MemoryError:
+            source.close()
+            raise _out_of_memory(name, "opening it") from None
         except BaseException:
             source.close()
             raise
+
+    def _open(self, max_size: int, max_expansion: int) -> None:
+        self.max_size = _limit(max_size, "max_size")
+        self.max_expansion = _limit(max_expansion, "max_expansion", 1)
+        self.header = KvzHeader.validate(read_metadata(self._source, self.name), self.name)
+        largest = max((spec.nbytes for specs in self.header.block_planes.values() for spec in specs), default=0)
+        if largest > self.max_size:
+            raise KvzTooLargeError(f"{self.name}: a chunk would decode to {largest} bytes, over the limit of {self.max_size}")
+        self._pipeline = pipeline_for(self.header)
 
     @classmethod
     def from_bytes(cls, data: Buffer, max_size: int = DEFAULT_MAX_SIZE, max_expansion: int = DEFAULT_MAX_EXPANSION) -> "KvzReader":
@@ -182,7 +193,19 @@ class KvzReader:
 
     def _decode(self, blocks: Blocks, destination: Destination, threads: int | None = None,
                 on_progress: Callable[[int], None] | None = None) -> None:
-        self._pipeline.decode(self._source, blocks, destination, threads, on_progress)
+        with self._memory_bounded("decoding it"):
+            self._pipeline.decode(self._source, blocks, destination, threads, on_progress)
+
+    @contextlib.contextmanager
+    def _memory_bounded(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except MemoryError:
+            raise _out_of_memory(self.name, doing) from None
+        except RuntimeError as exc:  # a thread's stack is memory too; Python says so only in words
+            if "can't start new thread" not in str(exc):
+                raise
+            raise _out_of_memory(self.name, "starting a decoding thread") from None
 
     # -- reading -------------------------------------------------------------------------------------
     def read(
@@ -201,7 +224,8 @@ class KvzReader:
         wanted, positions = self.selection(layers)
         blocks = self._blocks(positions, start, stop)
         h = self.header
-        arena = np.empty((len(positions), h.heads, stop - start, h.dim), self.dtype.numpy)
+        with self._memory_bounded(f"allocating {len(positions)} tensors of {stop - start} tokens"):
+            arena = np.empty((len(positions), h.heads, stop - start, h.dim), self.dtype.numpy)
         self._decode(blocks, Tensors(arena), threads, on_progress)
         tensors = list(arena)
         return KVCache(
@@ -283,6 +307,11 @@ class KvzReader:
 
 def _discard(tensor: int, token: int, block: np.ndarray) -> None:
     """Each block decoded, checked and dropped: what ``verify(full=True)`` asks for."""
+
+
+def _out_of_memory(name: str, doing: str) -> KvzTooLargeError:
+    return KvzTooLargeError(f"{name}: out of memory {doing} (fewer layers or tokens, fewer threads, "
+                            "or more memory may fit)")
 
 
 def _limit(value: object, what: str, least: int = 0) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, cast
+from typing import Any, Callable, ClassVar, cast
 
 import numpy as np
 import pytest
@@ -27,9 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvtool.errors import UsageError
-from kvtool.store import MissCause, Store, StoreClosedError, StoreEvent, open_store
-from kvtool.testing.shared import KEYS as SHARED_KEYS
-from kvtool.testing.shared import is_valid, run_processes
+from kvtool.store import MissCause, Store, StoreClosedError, StoreEvent
+from kvtool.testing.shared import check_shared, run_mix, run_processes
 
 KEYS = ["a", "b", "model/7:chunk-0", "ключ", "k" * 300]
 
@@ -366,27 +365,28 @@ class SharedStoreTests:
 
     Subclasses provide a ``shared_url`` fixture: the URL of an empty store that
     other processes can open, bounded by ``SHARED_CAPACITY`` bytes or unbounded.
+    The mix runs every way of reaching a store at once (``kvtool.testing.shared.KINDS``):
+    library processes, threads of one process, a ``kvtool serve`` of the URL driven through
+    its API, and ``kvtool store`` commands; a subclass whose store has a capacity gives it
+    one below the workload's working set (40 keys of up to 48 KiB), so they evict each other's
+    entries all along.
     """
 
     PROCESSES = 4
     OPS = 500
     SHARED_CAPACITY = 512 * 1024
+    REFUSALS = 0.0  # the share of operations that may be puts the store refused (a server out of memory)
+    WRITERS: ClassVar[dict[str, int]] = {"library": 2, "threads": 1, "api": 1, "cli": 1}
+    WRITER_OPS: ClassVar[dict[str, int]] = {"library": 300, "threads": 150, "api": 100, "cli": 8}  # a command costs an interpreter start
 
     @pytest.fixture
     def shared_url(self) -> str:  # pragma: no cover - replaced by subclasses
         raise NotImplementedError("subclasses of SharedStoreTests provide a `shared_url` fixture")
 
     def test_processes_share_the_store(self, shared_url: str):
-        reports = run_processes(shared_url, self.PROCESSES, self.OPS)
-        assert [f for r in reports for f in r["failures"]] == []
-        assert sum(r["failure_count"] for r in reports) == 0
-        assert sum(r["wrong"] for r in reports) == 0
-        with open_store(shared_url, read_only=True) as store:
-            assert set(store.keys()) <= set(SHARED_KEYS)
-            for key in store.keys():
-                value = store.get(key)
-                assert value is not None and is_valid(key, value)
-            if store.capacity is not None:
-                used = store.used_bytes
-                assert used is not None and used <= store.capacity
-                assert max(r["max_used_bytes"] for r in reports) <= store.capacity
+        check_shared(shared_url, run_processes(shared_url, self.PROCESSES, self.OPS), self.REFUSALS)
+
+    def test_a_mix_of_writers_shares_the_store(self, shared_url: str):
+        reports = run_mix(shared_url, self.WRITERS, self.WRITER_OPS, seed=1)
+        assert sorted({r["kind"] for r in reports}) == sorted(self.WRITERS)
+        check_shared(shared_url, reports, self.REFUSALS)
