@@ -7,6 +7,7 @@ becomes the tables the reference reads and the model the core reads (``_coders``
 
 from __future__ import annotations
 
+import abc
 from types import ModuleType
 from typing import ClassVar, cast
 
@@ -44,9 +45,9 @@ class DictionaryCodec(NativeArrayCodec):
     def spec_value(cls, arg: str) -> str:
         return registry.resolve(arg)
 
+    @abc.abstractmethod
     def _coders(self) -> tuple[Dictionary, object, object | None]:
         """The dictionary, the tables the reference codes with, and the core's model (None without the core)."""
-        raise NotImplementedError
 
     def _name(self, dtype: np.dtype, shape) -> str:
         if not self.supports(dtype):
