@@ -3,11 +3,13 @@
     python run_vllm.py SPEC.json
 
 SPEC: {"model": DIR, "store": URL or null (no connector), "overlap": true|false|null,
-       "recipe": null (the connector's default) or a recipe spec, "prefix_caching": false,
+       "recipe": null (the connector's default) or a recipe spec, "dictionary": null or the connector's
+       dictionary setting, "prefix_caching": false,
        "max_tokens": 16, "steps": [{"prompt_file": F, "suffix": S, "salt": null, "corrupt_dir": null}]}
 Each step's result line is ``RESULT {"tokens": [...], "seconds": ...}`` on stdout
 (``vllm_cached_tokens``: the prompt tokens vLLM's own prefix cache supplied).
-``corrupt_dir`` flips one byte in every stored entry under it before the step runs.
+``corrupt_dir`` flips one byte in every stored entry under it before the step runs;
+``after_log`` waits (up to 300 s) until a kvtool log line containing it has been written.
 vLLM's own prefix cache is off unless "prefix_caching" is set, so a reused
 prefix can only come from kvtool.
 Run with VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU build otherwise puts its
@@ -17,8 +19,28 @@ scheduler and worker in two processes, which a file store cannot be shared by.
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
+
+
+class LogWatch(logging.Handler):
+    """Remembers kvtool's log lines, so a step can wait for one (a dictionary learnt in the background)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.changed:
+            self.lines.append(record.getMessage())
+            self.changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: any(text in line for line in self.lines), timeout):
+                raise SystemExit(f"no kvtool log line with {text!r} after {timeout} s")
 
 
 def corrupt_entries(root: Path) -> int:
@@ -39,6 +61,8 @@ def main() -> None:
     kvlog = logging.getLogger("kvtool")
     kvlog.addHandler(handler)
     kvlog.setLevel(logging.DEBUG)  # per-request restore lines are DEBUG
+    watch = LogWatch()
+    kvlog.addHandler(watch)
 
     from vllm import LLM, SamplingParams
 
@@ -53,11 +77,13 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"store": spec["store"], "overlap": spec.get("overlap"),
-                                          **({"recipe": spec["recipe"]} if spec.get("recipe") else {})},
+                                          **{name: spec[name] for name in ("recipe", "dictionary") if spec.get(name)}},
         }
     llm = LLM(**options)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 16))
     for step in spec["steps"]:
+        if step.get("after_log"):
+            watch.wait_for(step["after_log"])
         if step.get("corrupt_dir"):
             print(f"corrupted {corrupt_entries(Path(step['corrupt_dir']))} entries", file=sys.stderr, flush=True)
         text = Path(step["prompt_file"]).read_text()[: step.get("prompt_chars", 5000)] + step.get("suffix", "")
