@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import sample_paths
+from kvtool import _native
 from kvtool.cache import DTYPES, KVCache
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz import KvzReader, decode_cache, encode_cache
@@ -85,7 +86,8 @@ def test_counts_and_planes():
     assert Outliers(0.07).counts("channel", (1, 100, 1))[2] == 7  # 0.07 * 100 is 7.000000000000001 in floats
     specs = layout.plan([PlaneSpec("data", (3, 256, 64), DTYPES["bf16"].numpy)])
     assert [(s.name, s.shape, np.dtype(s.dtype)) for s in specs] == [
-        ("data", (3, 256, 64), DTYPES["bf16"].numpy), ("outlier.pos", (768,), np.uint16), ("outlier.val", (768,), np.uint16)]
+        ("data", (3, 256, 64), DTYPES["bf16"].numpy), ("outlier.pos", (768,), np.uint8), ("outlier.val", (768,), np.uint16)]
+    assert layout.plan([PlaneSpec("data", (1, 257, 4), np.float32)])[1].dtype == np.uint16
     big = layout.plan([PlaneSpec("data", (1, 70000, 4), np.float32)])
     assert big[1].dtype == np.uint32 and big[2].dtype == np.uint32
     _, pos, val = Outliers(0.2, v="none").for_kind("v").forward([np.arange(32, dtype=np.float32).reshape(1, 8, 4)])
@@ -183,3 +185,58 @@ def test_a_file_with_bad_positions_and_good_checksums_is_refused(small, monkeypa
     monkeypatch.setattr(Outliers, "forward_plane", honest)
     with pytest.raises(DecodeError, match="outlier positions"):
         decode_cache(blob)
+
+
+# -- the C core against the numpy reference ------------------------------------------------------
+
+needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
+
+
+def _same_bytes(ours: list[np.ndarray], theirs: list[np.ndarray]) -> bool:
+    return all(a.dtype == b.dtype and bits_of(a).tobytes() == bits_of(b).tobytes() for a, b in zip(ours, theirs))
+
+
+@needs_core
+@pytest.mark.parametrize("spec", ["outliers:0.01", "outliers:0.1", "outliers:0.5", "outliers:0.02,k=token,v=channel"])
+def test_the_core_writes_the_reference_bytes_on_real_samples(spec, samples):
+    layout = get_layout(spec)
+    for path in samples:
+        for layer, kind, array in KVCache.load(path).tensors():
+            bound = layout.for_kind(kind, layer)
+            for block in (array, array[:, :37]):
+                native = bound.forward([block])
+                assert _same_bytes(native, bound.reference_forward(block))
+                out, ref = np.empty_like(block), np.empty_like(block)
+                bound.inverse_plane_into(native, PlaneSpec.of(block), out)
+                bound.reference_inverse_into(native, PlaneSpec.of(block), ref)
+                assert np.array_equal(bits_of(out), bits_of(block)) and np.array_equal(bits_of(ref), bits_of(block))
+
+
+@needs_core
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("shape", [(2, 9, 12), (1, 300, 3), (3, 1, 5), (2, 4, 257)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_core_writes_the_reference_bytes_on_any_bits(dtype, shape, seed):
+    """Random bit patterns (NaN, infinities, -0, subnormals) and rows with many ties."""
+    rng = np.random.default_rng(seed)
+    blocks = [random_bits(dtype, shape, seed=seed), rng.integers(-2, 3, size=shape).astype(DTYPES[dtype].numpy)]
+    for axis in ("channel", "token"):
+        layout = Outliers(0.2, k=axis, v=axis)
+        for block in blocks:
+            native = layout.forward([block])
+            assert _same_bytes(native, layout.reference_forward(block))
+            (restored,) = layout.inverse(native, [PlaneSpec.of(block)])
+            assert np.array_equal(bits_of(restored), bits_of(block))
+
+
+@needs_core
+@pytest.mark.parametrize("damage", ["beyond", "repeated", "tail"])
+def test_the_core_declines_bad_positions_and_the_reference_says_why(damage, monkeypatch):
+    layout = Outliers(0.1, k="channel", v="token").for_kind("k")
+    block = np.random.default_rng(0).normal(size=(2, 20, 4)).astype(np.float32)
+    planes = _bad_planes(layout, block, damage)
+    core = _native.core()
+    assert core.outliers_merge(*[_native.byte_view(np.ascontiguousarray(p)) for p in planes], _native.byte_view(np.empty_like(block)),
+                               _native.DTYPE_CODES["fp32"], 2, 20, 4, True, 2) == 1
+    with pytest.raises(DecodeError, match="outlier"):
+        layout.inverse(planes, [PlaneSpec.of(block)])

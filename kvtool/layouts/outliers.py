@@ -23,7 +23,8 @@ values a lossy stage sees span the kept range only. The planes of an input plane
 ``p``
     the block, its shape and dtype, the outliers replaced;
 ``p.outlier.pos``
-    ``uint16 [N]`` (``uint32`` where the block has more than 65536 tokens or channels):
+    ``uint8 [N]`` where the block has at most 256 tokens and channels, else ``uint16``
+    (``uint32`` beyond 65536):
     each row's outlier positions along the row, ascending, rows in C order of
     ``[heads, dim]`` (channel) or ``[heads, tokens]`` (token), ``c`` per row;
 ``p.outlier.val``
@@ -32,6 +33,9 @@ values a lossy stage sees span the kept range only. The planes of an input plane
 ``N`` is the larger count of the two kinds' axes, so the planes never depend on the
 kind; a kind with fewer leaves the tail zero, which the reader checks, with every row's
 positions strictly ascending and inside the row. bf16, fp16 and fp32 blocks only.
+
+The C core (``kvtool._native``, outliers.c) does both ways; the numpy code here is the
+reference it matches bit for bit, and runs where the core is off.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ import math
 
 import numpy as np
 
-from kvtool.cache import DTYPES
+from kvtool import _native
+from kvtool.cache import DTYPES, dtype_of
 from kvtool.errors import DecodeError, UsageError
 from kvtool.layouts.base import PlaneSpec, child_name, dtype_name
 from kvtool.layouts.lossy import LOSSY_INPUTS, KeywordSpec, SideChannel, choice_param
@@ -101,7 +106,8 @@ class Outliers(KeywordSpec, SideChannel):
         if len(spec.shape) != 3:
             raise UsageError(f"layout {self.layout_id!r} takes [heads, tokens, dim] blocks, not shape {list(spec.shape)}")
         entries = max(rows * per_row for rows, _, per_row in (self.counts(a, spec.shape) for a in {self.k, self.v}))
-        positions = np.uint16 if max(spec.shape[1:]) <= 1 << 16 else np.uint32
+        longest = max(spec.shape[1:])  # the longest a row may be, whichever the axis
+        positions = np.uint8 if longest <= 1 << 8 else np.uint16 if longest <= 1 << 16 else np.uint32
         return [
             PlaneSpec(spec.name, tuple(spec.shape), np.dtype(spec.dtype)),
             PlaneSpec(child_name(spec.name, "outlier.pos"), (entries,), np.dtype(positions)),
@@ -152,8 +158,29 @@ class Outliers(KeywordSpec, SideChannel):
         kept_max = np.take_along_axis(rows, np.take_along_axis(order, length - 1 - per_row + taken_low, axis=1), axis=1)
         return rows, positions, np.where(low, kept_min, kept_max)
 
-    # -- forward and inverse ----------------------------------------------------------------------
+    # -- forward and inverse: the C core where it runs, the numpy reference it matches otherwise ------
+    def _native_args(self, spec: PlaneSpec) -> tuple | None:
+        """The core and the block's geometry for its calls, or None where the core is off or has no rows to cut."""
+        core = _native.core()
+        if core is None or self.axis == "none":
+            return None
+        return core, _native.DTYPE_CODES[dtype_of(spec.dtype).name], *spec.shape, self.axis == "channel", \
+            self.counts(self.axis, spec.shape)[2]
+
     def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
+        spec = PlaneSpec.of(plane)
+        native = self._native_args(spec)
+        if native is None:
+            return self.reference_forward(plane)
+        core, *geometry = native
+        _, pos_spec, val_spec = self.plan_plane(spec)
+        dense, pos, val = np.empty(spec.shape, spec.dtype), np.zeros(pos_spec.shape, pos_spec.dtype), np.zeros(val_spec.shape, val_spec.dtype)
+        status = core.outliers_split(_native.byte_view(np.ascontiguousarray(plane)), _native.byte_view(dense), pos.view(np.uint8),
+                                     val.view(np.uint8), *geometry)
+        return [dense, pos, val] if status == 0 else self.reference_forward(plane)
+
+    def reference_forward(self, plane: np.ndarray) -> list[np.ndarray]:
+        """The numpy forward: the definition the C core matches."""
         specs = self.plan_plane(PlaneSpec.of(plane))
         rows, positions, fill = self._select(plane)
         pos = np.zeros(specs[1].shape, specs[1].dtype)
@@ -165,12 +192,13 @@ class Outliers(KeywordSpec, SideChannel):
         return [self._unrows(rows, plane.shape).view(plane.dtype), pos, val]
 
     def split(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows, positions, _ = self._select(block)
-        if not positions.size:
-            return self.forward_plane(block)[0], np.zeros(block.shape, bool)
-        mask = np.zeros(rows.shape, bool)
-        np.put_along_axis(mask, positions, True, axis=1)
-        return self.forward_plane(block)[0], self._unrows(mask, block.shape)
+        dense, pos, _ = self.forward_plane(block)
+        rows, length, per_row = self.counts(self.axis, block.shape)
+        if not rows * per_row:
+            return dense, np.zeros(block.shape, bool)
+        mask = np.zeros((rows, length), bool)
+        np.put_along_axis(mask, pos[: rows * per_row].astype(np.int64).reshape(rows, per_row), True, axis=1)
+        return dense, self._unrows(mask, block.shape)
 
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         out = np.empty(spec.shape, spec.dtype)
@@ -178,6 +206,17 @@ class Outliers(KeywordSpec, SideChannel):
         return out
 
     def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        native = self._native_args(spec)
+        if native is not None:
+            core, *geometry = native
+            dense, pos, val = (np.ascontiguousarray(p) for p in planes)
+            if core.outliers_merge(_native.byte_view(dense), pos.view(np.uint8), val.view(np.uint8), _native.byte_view(out),
+                                   *geometry) == 0:
+                return
+        self.reference_inverse_into(planes, spec, out)  # also where the core declines: the reference says what is wrong
+
+    def reference_inverse_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        """The numpy inverse into ``out``: the definition the C core matches."""
         dense, pos, val = planes
         rows_count, length, per_row = self.counts(self.axis, spec.shape)
         used = rows_count * per_row
