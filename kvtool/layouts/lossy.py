@@ -1,7 +1,9 @@
 """Lossy stages: opt-in layouts whose inverse gives back an approximation, within a stated bound.
 
-A lossy stage sits at the head of a recipe's layout chain, where the tensor is
-still a float block ``[heads, tokens, dim]`` (bf16, fp16 or fp32), and maps it
+A lossy stage sits at the head of a recipe's layout chain (or just after a side
+channel, ``SideChannel``, which keeps some values exact apart and leaves the
+rest in place), where the tensor is still a float block ``[heads, tokens, dim]``
+(bf16, fp16 or fp32), and maps it
 to planes that hold less: fewer mantissa bits (``mant-round``), fp8 with
 scales (``fp8``), or integer codes with scales (``int``). What follows it is
 lossless as ever, so the container's checksums cover the planes the stage
@@ -198,7 +200,7 @@ class ErrorTally:
 
 
 def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: Iterable[np.ndarray], chain: "LayoutChain", chunk_tokens: int) -> str | None:
-    """Where a restored cache strays beyond the error bound of ``chain``'s lossy first stage, or None.
+    """Where a restored cache strays beyond the error bound of ``chain``'s lossy stage (``chain_error_bound``), or None.
 
     ``tensors`` and ``restored`` list the original and the decoded tensors in
     the same order; the tensors were cut in blocks of ``chunk_tokens``.
