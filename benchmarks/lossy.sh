@@ -34,9 +34,20 @@ WIDTHS=(
     "int:4,group=128,kbits=5,layers=$KEYS8+v18:6+v20:6+v14:6|zstd:3"
     "int:3,group=256|zstd:3"
 )
+# Outliers kept exact apart (outliers:F) before int, against int alone at about the same ratio.
+OUTLIERS=(
+    "int:4,group=64|zstd:3"
+    "outliers:0.01,v=none|int:4,group=256|zstd:3"
+    "outliers:0.01|int:4,group=128|zstd:3"
+    "outliers:0.01|int:5,group=128|zstd:3"
+    "int:3,group=128|zstd:3"
+    "outliers:0.01|int:3,group=128|zstd:3"
+)
 kvtool bench accuracy --recipes "${RECIPES[*]}" --split-kv --greedy 64 --plot benchmarks/lossy.png --json > "$out/lossy_accuracy.json"
 kvtool bench accuracy samples/texts/functools.py.txt --recipes exphuff --no-split-kv --greedy 64 \
     --layers-of 'int:3,group=64|zstd:3' --json > "$out/lossy_layers.json"
 kvtool bench accuracy --recipes "${WIDTHS[*]}" --no-split-kv --greedy 64 --json > "$out/lossy_widths.json"
+kvtool bench accuracy --recipes "${OUTLIERS[*]}" --no-split-kv --greedy 64 --json > "$out/lossy_outliers.json"
 python benchmarks/lossy_tables.py "$out/lossy_accuracy.json" "$out/lossy_layers.json"
 python benchmarks/lossy_tables.py "$out/lossy_widths.json"
+python benchmarks/lossy_tables.py "$out/lossy_outliers.json"

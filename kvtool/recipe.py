@@ -16,7 +16,8 @@ The codec stage is a comma-separated list: an optional default codec, then
 is data (``to_config``) and is rebuilt only through the registries.
 
 A lossy stage (``kvtool.layouts.lossy``) is never implied: a recipe has one only
-when its spec names it, as its first stage.
+when its spec names it, as its first stage, or its second after a side channel
+that keeps some values exact (``outliers:0.01|int:3,group=128|zstd:3``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvtool.errors import KvtoolError, UsageError
 from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
 from kvtool.layouts import registry as layout_registry
 from kvtool.layouts.base import PlaneSpec
+from kvtool.layouts.lossy import SideChannel
 
 DEFAULT_RECIPE = "exphuff"
 
@@ -57,9 +59,11 @@ class Recipe:
 
     def __post_init__(self) -> None:
         lossy = [layout.spec() for layout in self.layouts if layout.lossy]
-        if lossy and (len(lossy) > 1 or not self.layouts[0].lossy):
+        lead = 1 if len(self.layouts) > 1 and isinstance(self.layouts[0], SideChannel) else 0
+        if lossy and (len(lossy) > 1 or not self.layouts[lead].lossy):
             raise UsageError(
-                f"recipe {self.spec()!r}: a lossy stage ({', '.join(lossy)}) must be the first stage, and the only lossy one"
+                f"recipe {self.spec()!r}: a lossy stage ({', '.join(lossy)}) must be the first stage (or the second, after "
+                "a side channel such as outliers), and the only lossy one"
             )
         if isinstance(self.codec, ArrayCodec) and self.plane_codecs:
             raise UsageError(f"recipe {self.spec()!r}: codec {self.codec.codec_id!r} codes the whole block; it takes no plane codecs")

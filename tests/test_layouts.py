@@ -14,7 +14,8 @@ from kvtool.layouts.xor_delta import XorDelta
 from kvtool.testing import LayoutTests
 from kvtool.testing.layouts import assert_round_trip, in_a_dtype_it_takes, random_bits
 
-LAYOUTS = ["token-major", "channel-major", "byteplane", "bf16-split", "fp16-split", "xor-delta", "xor-delta:-1", "sx-split", "sx-split:-1"]
+LAYOUTS = ["token-major", "channel-major", "byteplane", "bf16-split", "fp16-split", "xor-delta", "xor-delta:-1", "sx-split", "sx-split:-1",
+           "outliers:0.05,v=channel", "outliers:0.3,k=token"]
 CHAINS = [
     "",
     "channel-major|byteplane",
@@ -25,9 +26,11 @@ CHAINS = [
     "fp16-split|byteplane",
     "byteplane|channel-major|xor-delta",
     "channel-major|sx-split",
+    "outliers:0.02,v=channel|byteplane",
 ]
 #: The dtypes each layout takes; it refuses the others with UsageError.
-ACCEPTS = {"bf16-split": {"bf16"}, "fp16-split": {"fp16"}, "sx-split": {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}}
+ACCEPTS = {"bf16-split": {"bf16"}, "fp16-split": {"fp16"}, "sx-split": {"bf16", "fp16", "fp8_e4m3", "fp8_e5m2"},
+           "outliers": {"bf16", "fp16", "fp32"}}
 
 
 #: The lossless layouts; the lossy stages have their own suite (tests/test_lossy.py).
@@ -72,7 +75,7 @@ class TestChains(LayoutTests):
 @pytest.mark.parametrize("layout_id", LOSSLESS)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_which_dtypes_each_layout_takes(layout_id, dtype):
-    layout = get_layout(layout_id)
+    layout = get_layout(layout_id).for_kind("k")  # bound as a container binds it (outliers rows keys and values apart)
     array = random_bits(dtype, (2, 5, 8))
     if dtype in ACCEPTS.get(layout_id, set(DTYPES)):
         assert_round_trip(layout, array)

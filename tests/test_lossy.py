@@ -35,7 +35,7 @@ LOSSY_LAYOUTS = [
 LOSSY_RECIPES = [
     "mant-round:4|byteplane|zstd:3", "fp8:e4m3|exphuff", "fp8:e5m2,group=64|byteplane|zstd:1",
     "int:4|zstd:3", "int:6,group=64|channel-major|zstd:1,scales=none",
-    "int:4,group=64,kbits=6,layers=k1:8+v14:2|zstd:3",
+    "int:4,group=64,kbits=6,layers=k1:8+v14:2|zstd:3", "outliers:0.01|int:3,group=128|zstd:3,outlier.val=none",
 ]
 
 
@@ -215,7 +215,7 @@ def test_integer_codes_are_no_block_for_the_array_codec(small):
         encode_cache(small, "int:4|exphuff")
 
 
-@pytest.mark.parametrize("recipe", ["int:4|zstd:3", "fp8:e4m3|exphuff"])
+@pytest.mark.parametrize("recipe", ["int:4|zstd:3", "fp8:e4m3|exphuff", "outliers:0.02|int:3|zstd:3"])
 def test_rows_of_a_lossy_entry_are_the_approximation_it_reads_back(small, recipe):
     """read_rows, the connector's restore into paged blocks, gives what read gives."""
     heads, tokens, dim = small.keys[0].shape

@@ -448,6 +448,9 @@ int kvn_py_ctxans_add_constants(PyObject *module);
 PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
+/* The outliers side channel's bindings live in outliers.c. */
+PyObject *kvn_py_outliers_split(PyObject *self, PyObject *args);
+PyObject *kvn_py_outliers_merge(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -463,6 +466,8 @@ static PyMethodDef methods[] = {
     {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
+    {"outliers_split", kvn_py_outliers_split, METH_VARARGS, "Keep each row's outliers of one block apart; returns a status."},
+    {"outliers_merge", kvn_py_outliers_merge, METH_VARARGS, "Write a block's outliers back into it; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };

@@ -16,6 +16,7 @@ from kvtool.errors import KvtoolError
 from kvtool.layouts import parse_layouts
 from kvtool.layouts import registry as layout_registry
 from kvtool.layouts.base import PlaneSpec
+from kvtool.layouts.lossy import SideChannel
 from kvtool.recipe import DEFAULT_RECIPE
 
 BASELINES = ("zstd:3", "lz4", "qat")
@@ -84,7 +85,8 @@ def everything(cache: KVCache) -> list[str]:
 def _chains(cache: KVCache) -> list[str]:
     chains = ["", "channel-major"]
     for layout in layout_registry.ids():
-        if layout not in ("token-major", "channel-major") and not layout_registry.get(layout).lossy:
+        cls = layout_registry.get(layout)  # a side channel (outliers) is there for a lossy stage after it
+        if layout not in ("token-major", "channel-major") and not cls.lossy and not issubclass(cls, SideChannel):
             chains += [layout, f"channel-major|{layout}"]
     return [chain for chain in chains if _fits(chain, cache)]
 

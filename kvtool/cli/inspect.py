@@ -12,6 +12,7 @@ from kvtool import kvz, stats
 from kvtool.cache import KVCache
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, existing_file, print_json, print_table, safetensors_format
 from kvtool.errors import UsageError
+from kvtool.layouts.lossy import lossy_stages
 from kvtool.units import format_size
 
 PATTERN_HELP = "Tensor-name pattern of a cache from another tool, e.g. 'model.layers.{layer}.self_attn.{k|v}'."
@@ -96,7 +97,7 @@ def lossy_summary(reader: kvz.KvzReader) -> dict[str, Any] | None:
         return None
     errors = reader.lossy["error"]
     return {
-        "stage": reader.recipe.layouts[0].spec(),
+        "stage": lossy_stages(reader.recipe.layouts),
         "max_abs": max((e["max_abs"] for e in errors), default=0.0),
         "rel_rms": max((e["rel_rms"] for e in errors), default=0.0),
         "error": errors,

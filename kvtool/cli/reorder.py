@@ -79,8 +79,9 @@ def reordered_tensors(cache: KVCache, chain: LayoutChain) -> tuple[dict[str, np.
     originals: dict[str, dict[str, Any]] = {}
     for layer, kind, array in progress(iterable=list(cache.tensors()), desc="reorder", unit="tensor"):
         base = f"layer.{layer}.{'key' if kind == 'k' else 'value'}"
-        specs = chain.plan([PlaneSpec.of(array)])
-        for spec, plane in zip(specs, chain.forward([array])):
+        bound = chain.for_kind(kind, layer)  # a stage may tell keys and values apart (outliers' rows)
+        specs = bound.plan([PlaneSpec.of(array)])
+        for spec, plane in zip(specs, bound.forward([array])):
             tensors[f"{base}.{spec.name}"] = plane
         originals[base] = {"dtype": dtype_of(array).name, "shape": list(array.shape), "planes": [s.name for s in specs]}
     metadata = {
@@ -115,7 +116,8 @@ def restore(path: Path) -> KVCache:
         layers: dict[int, dict[str, np.ndarray]] = {}
         for base, original in originals.items():
             layer, kind = _parse_base(base, path)
-            layers.setdefault(layer, {})[kind] = _restore_tensor(f, names, chain, base, original, path)
+            bound = chain.for_kind(kind[0], layer)  # "key" -> "k"
+            layers.setdefault(layer, {})[kind] = _restore_tensor(f, names, bound, base, original, path)
     if any(len(kv) != 2 for kv in layers.values()):
         raise DecodeError(f"{path}: a layer lacks its key or value tensor")
     ids = sorted(layers)

@@ -35,6 +35,8 @@ registry: ComponentRegistry[Layout] = ComponentRegistry(
         "fp16-split": "kvtool.layouts.float_split:Fp16Split",
         "xor-delta": "kvtool.layouts.xor_delta:XorDelta",
         "sx-split": "kvtool.layouts.sign_exponent:SignExponentSplit",
+        # lossless, a side channel for a lossy stage after it (kvtool.layouts.outliers)
+        "outliers": "kvtool.layouts.outliers:Outliers",
         # lossy, opt-in only (kvtool.layouts.lossy)
         "mant-round": "kvtool.layouts.mant_round:MantRound",
         "fp8": "kvtool.layouts.fp8:Fp8",

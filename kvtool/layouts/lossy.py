@@ -1,7 +1,9 @@
 """Lossy stages: opt-in layouts whose inverse gives back an approximation, within a stated bound.
 
-A lossy stage sits at the head of a recipe's layout chain, where the tensor is
-still a float block ``[heads, tokens, dim]`` (bf16, fp16 or fp32), and maps it
+A lossy stage sits at the head of a recipe's layout chain (or just after a side
+channel, ``SideChannel``, which keeps some values exact apart and leaves the
+rest in place), where the tensor is still a float block ``[heads, tokens, dim]``
+(bf16, fp16 or fp32), and maps it
 to planes that hold less: fewer mantissa bits (``mant-round``), fp8 with
 scales (``fp8``), or integer codes with scales (``int``). What follows it is
 lossless as ever, so the container's checksums cover the planes the stage
@@ -27,7 +29,7 @@ import numpy as np
 
 from kvtool.cache import DTYPES, DType, dtype_of
 from kvtool.errors import UsageError
-from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, dtype_name
+from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, check_planes, dtype_name
 
 if TYPE_CHECKING:
     from kvtool.layouts.chain import LayoutChain
@@ -36,18 +38,18 @@ if TYPE_CHECKING:
 LOSSY_INPUTS = ("bf16", "fp16", "fp32")
 
 
-class LossyLayout(PlaneWiseLayout):
-    """A plane-wise stage whose inverse approximates its input; subclasses give the bound."""
+class KeywordSpec:
+    """Specs with the main parameter first and the others as ``NAME=VALUE``: ``int:4,group=64``.
 
-    lossy = True
-    #: How a spec's text becomes each parameter's value (``str`` where not named).
+    Mixed into a layout (a ``Component``) whose ``param_types`` say how each parameter's text
+    becomes its value (``str`` where not named).
+    """
+
+    layout_id: ClassVar[str]
+    params: ClassVar[tuple[str, ...]]
+    spec_param: ClassVar[str | None]
     param_types: ClassVar[dict[str, Callable[[str], Any]]] = {}
 
-    @abc.abstractmethod
-    def error_bound(self, block: np.ndarray) -> np.ndarray:
-        """For each value of ``block`` (float64, its shape), a bound on ``|value - inverse(forward(block))|``."""
-
-    # -- specs: the main parameter first, the others as NAME=VALUE ------------------------------
     @classmethod
     def from_spec_arg(cls, arg: str):
         kwargs: dict[str, Any] = {}
@@ -74,6 +76,49 @@ class LossyLayout(PlaneWiseLayout):
             if name != self.spec_param and getattr(self, name) != getattr(default, name)
         ]
         return f"{self.layout_id}:{','.join(parts)}" if parts else self.layout_id
+
+
+class SideChannel(PlaneWiseLayout):
+    """A lossless stage that may go before a lossy one: it keeps some values apart, exact, in planes after the first.
+
+    The lossy stage after it approximates the first plane only (the block with those
+    values replaced) and passes the other planes through (``outliers``).
+    """
+
+    @abc.abstractmethod
+    def split(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(dense, exact)``: the first plane ``forward`` makes of ``block``, and a mask of the values kept apart."""
+
+
+class LossyLayout(KeywordSpec, PlaneWiseLayout):
+    """A plane-wise stage whose inverse approximates its input; subclasses give the bound.
+
+    It approximates its first input plane; planes after it, a side channel's (``SideChannel``),
+    pass through unchanged.
+    """
+
+    lossy = True
+
+    @abc.abstractmethod
+    def error_bound(self, block: np.ndarray) -> np.ndarray:
+        """For each value of ``block`` (float64, its shape), a bound on ``|value - inverse(forward(block))|``."""
+
+    # -- the first plane approximated, a side channel's planes passed through -------------------
+    def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
+        return [*self.plan_plane(inputs[0]), *inputs[1:]] if inputs else []
+
+    def forward(self, planes: list[np.ndarray]) -> list[np.ndarray]:
+        if not planes:
+            return []
+        self.plan_plane(PlaneSpec.of(planes[0]))
+        return [*self.forward_plane(planes[0]), *planes[1:]]
+
+    def inverse(self, planes: list[np.ndarray], inputs: list[PlaneSpec]) -> list[np.ndarray]:
+        own = self.plan_plane(inputs[0]) if inputs else []
+        check_planes(self.layout_id, planes, [*own, *inputs[1:]])
+        if not inputs:
+            return []
+        return [self.inverse_plane(planes[: len(own)], inputs[0]), *planes[len(own) :]]
 
     # -- shared checks ----------------------------------------------------------------------------
     def check_input(self, spec: PlaneSpec, ndim: int | None = 3) -> DType:
@@ -155,19 +200,41 @@ class ErrorTally:
 
 
 def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: Iterable[np.ndarray], chain: "LayoutChain", chunk_tokens: int) -> str | None:
-    """Where a restored cache strays beyond the error bound of ``chain``'s lossy first stage, or None.
+    """Where a restored cache strays beyond the error bound of ``chain``'s lossy stage (``chain_error_bound``), or None.
 
     ``tensors`` and ``restored`` list the original and the decoded tensors in
     the same order; the tensors were cut in blocks of ``chunk_tokens``.
     """
     for (layer, kind, array), approx in zip(tensors, restored):
-        stage = cast(LossyLayout, chain.for_kind(kind, layer)[0])
+        bound = chain.for_kind(kind, layer)
         for start in range(0, array.shape[1], chunk_tokens):
             block = array[:, start : start + chunk_tokens]
             error = np.abs(approx[:, start : start + chunk_tokens].astype(np.float64) - block.astype(np.float64))
-            if not (error <= stage.error_bound(block)).all():
+            if not (error <= chain_error_bound(bound, block)).all():
                 return f"layer {layer} {kind}, tokens from {start}: error {float(error.max()):.4g} over the bound"
     return None
+
+
+def chain_error_bound(chain: "LayoutChain", block: np.ndarray) -> np.ndarray:
+    """The error bound of a lossy chain bound to a tensor (``for_kind``) for each value of ``block``: zero for
+    what a side channel before the lossy stage keeps exact, the lossy stage's bound on the rest."""
+    exact = np.zeros(block.shape, bool)
+    for layout in chain:
+        if isinstance(layout, LossyLayout):
+            return np.where(exact, 0.0, layout.error_bound(block))
+        block, kept = cast(SideChannel, layout).split(block)
+        exact |= kept
+    raise UsageError(f"layout chain {chain.spec()!r} has no lossy stage")
+
+
+def lossy_stages(chain: "LayoutChain") -> str:
+    """The spec of a lossy chain's stages up to its lossy one (``outliers:0.01|int:3``): what decides its error."""
+    specs = []
+    for layout in chain:
+        specs.append(layout.spec())
+        if layout.lossy:
+            break
+    return "|".join(specs)
 
 
 def _digits(value: float) -> float:

@@ -5,7 +5,7 @@
 Each file holds layers 0 and 29, tokens 0-11, of samples/code.safetensors: in 4-token
 chunks, one file per codec (byteplane layout) and one per layout chain; in one 12-token
 chunk per tensor, one file per array codec (a chunk that small would be stored raw); in
-4-token chunks, one file per lossy first stage, whose decoded tensors' xxh3-64 digests
+4-token chunks, one file per lossy first stage (and one with the outliers side channel before it), whose decoded tensors' xxh3-64 digests
 ``lossy-v1.json`` keeps (their bits are an approximation, so nothing else pins them).
 ``store-v1.json`` holds store entry records (version 1) and prefix keys
 (``kvtool/prefix/1``) for fixed inputs, byte for byte.
@@ -29,6 +29,7 @@ LAYOUT_RECIPES = {
     "layout-channel-major-byteplane": "channel-major|byteplane|zstd:1,lo=none",
     "layout-xor-delta-bf16-split": "channel-major|xor-delta|bf16-split|zstd:1,mant=none",
     "layout-sx-split-rans": "channel-major|sx-split|rans:192,mant=none",
+    "layout-outliers": "outliers:0.05|zstd:1",
 }
 # ctxans names its dictionary: the one kvtool ships (kvtool/modeldict/default.kvd), which stays shipped.
 ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-exphuff-lanes": "exphuff-lanes:16",
@@ -43,6 +44,7 @@ LOSSY_RECIPES = {
     "lossy-fp8-e4m3": "fp8:e4m3|exphuff",
     "lossy-fp8-e5m2-group": "fp8:e5m2,group=4|zstd:1",
     "lossy-mant-round3": "mant-round:3|byteplane|zstd:1",
+    "lossy-outliers-int3": "outliers:0.05|int:3,group=4|zstd:1",
 }
 GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES, **LOSSY_RECIPES}
 LOSSY_DIGESTS = HERE / "lossy-v1.json"
