@@ -448,6 +448,10 @@ int kvn_py_ctxans_add_constants(PyObject *module);
 PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
+/* The int stage's batch restore and the lossy error statistics live in intquant_batch.c. */
+PyObject *kvn_py_int_decode_blocks(PyObject *self, PyObject *args);
+PyObject *kvn_py_error_stats(PyObject *self, PyObject *args);
+int kvn_py_intquant_add_constants(PyObject *module);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -463,6 +467,8 @@ static PyMethodDef methods[] = {
     {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
+    {"int_decode_blocks", kvn_py_int_decode_blocks, METH_VARARGS, "Restore a batch of int-stage blocks into given rows: (status, failed job)."},
+    {"error_stats", kvn_py_error_stats, METH_VARARGS, "A lossy block's (max abs error, squared errors, squared values), as numpy sums them."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };
@@ -476,7 +482,8 @@ PyMODINIT_FUNC PyInit__core(void) {
         PyModule_AddIntConstant(m, "BLOCK_META_SIZE", (long)sizeof(block_meta)) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_CORRUPT", KVN_ERR_CORRUPT) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_CHECKSUM", KVN_ERR_CHECKSUM) < 0 ||
-        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0 || kvn_py_ctxans_add_constants(m) < 0) {
+        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0 || kvn_py_ctxans_add_constants(m) < 0 ||
+        kvn_py_intquant_add_constants(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

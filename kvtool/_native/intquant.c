@@ -50,14 +50,37 @@ static uint16_t f32_to_f16(float value) {
     return sign | (uint16_t)((x - (112u << 23)) >> 13);
 }
 
+/* Codes d.. of a row from 64-bit big-endian windows, eight codes each, while a window lies inside the
+ * plane; `bits` is a constant in each caller, so the shifts are too. Returns how many it unpacked. */
+static inline __attribute__((always_inline)) size_t unpack_windows(const uint8_t *codes, size_t len, size_t bit,
+                                                                  size_t count, const int bits, uint8_t *out) {
+    const uint64_t mask = (1u << bits) - 1u;
+    size_t d = 0;
+    for (; d + 8 <= count && (bit >> 3) + 8 <= len; d += 8, bit += 8 * (size_t)bits) {
+        uint64_t window = __builtin_bswap64(kvn_rd64(codes + (bit >> 3))) << (bit & 7);
+        for (int k = 0; k < 8; k++) out[d + k] = (uint8_t)((window >> (64 - bits * (k + 1))) & mask);
+    }
+    return d;
+}
+
 /* `count` codes of `bits` bits from bit position `bit` of a stream packed most significant bit first. */
 static void unpack_codes(const uint8_t *codes, size_t len, size_t bit, size_t count, int bits, uint8_t *out) {
     if (bits == 8) {
         memcpy(out, codes + bit / 8, count);
         return;
     }
+    size_t d;
+    switch (bits) {  /* one copy of the window loop per width */
+    case 1: d = unpack_windows(codes, len, bit, count, 1, out); break;
+    case 2: d = unpack_windows(codes, len, bit, count, 2, out); break;
+    case 3: d = unpack_windows(codes, len, bit, count, 3, out); break;
+    case 4: d = unpack_windows(codes, len, bit, count, 4, out); break;
+    case 5: d = unpack_windows(codes, len, bit, count, 5, out); break;
+    case 6: d = unpack_windows(codes, len, bit, count, 6, out); break;
+    default: d = unpack_windows(codes, len, bit, count, 7, out); break;
+    }
     uint32_t mask = (1u << bits) - 1u;
-    for (size_t d = 0; d < count; d++, bit += (size_t)bits) {
+    for (bit += d * (size_t)bits; d < count; d++, bit += (size_t)bits) {
         size_t byte = bit >> 3;
         uint32_t window = (uint32_t)codes[byte] << 8 | (byte + 1 < len ? codes[byte + 1] : 0u);
         out[d] = (uint8_t)((window >> (16 - bits - (int)(bit & 7))) & mask);
@@ -95,12 +118,12 @@ static int finite_pairs(const kvn_int_block *b, const uint16_t *scales, size_t u
 }
 
 KVN_MULTIVERSION
-int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales,
-                    void *out) {
+int kvn_int_dequant_rows(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales,
+                         uint8_t *const *rows) {
     size_t used, group = b->group, dim = b->dim;
-    if (check_block(b, &used) || codes_len < codes_bytes(b) || !finite_pairs(b, scales, used)) return KVN_ERR_ARG;
+    if (check_block(b, &used) || codes_len < codes_bytes(b)) return KVN_ERR_ARG;
+    if (!finite_pairs(b, scales, used)) return KVN_ERR_DECLINED;
     size_t token_groups = (b->tokens + group - 1) / group, channel_groups = (dim + group - 1) / group;
-    size_t itemsize = b->dtype == KVN_FP32 ? 4 : 2;
     /* one row of codes, then of values; per channel the (scale, min) of the current token group */
     uint8_t *row_codes = malloc(dim);
     float *values = malloc(dim * sizeof(float)), *scale = malloc(dim * sizeof(float)), *low = malloc(dim * sizeof(float));
@@ -109,14 +132,15 @@ int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_l
         const uint16_t *pairs = scales + h * b->groups_per_head * 2;
         for (size_t t = 0; t < b->tokens; t++) {
             size_t row = h * b->tokens + t;
+            if (b->channel_axis && t % group == 0)  /* a new token group: every channel's pair, even for a row left out */
+                for (size_t d = 0; d < dim; d++) {
+                    size_t g = d * token_groups + t / group;
+                    scale[d] = f16_to_f32(pairs[2 * g]);
+                    low[d] = f16_to_f32(pairs[2 * g + 1]);
+                }
+            if (!rows[row]) continue;
             unpack_codes(codes, codes_len, row * dim * (size_t)b->bits, dim, b->bits, row_codes);
             if (b->channel_axis) {
-                if (t % group == 0)
-                    for (size_t d = 0; d < dim; d++) {
-                        size_t g = d * token_groups + t / group;
-                        scale[d] = f16_to_f32(pairs[2 * g]);
-                        low[d] = f16_to_f32(pairs[2 * g + 1]);
-                    }
                 for (size_t d = 0; d < dim; d++) {
                     float value = (float)row_codes[d] * scale[d];
                     values[d] = value + low[d];
@@ -132,7 +156,7 @@ int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_l
                     }
                 }
             }
-            store_row(b->dtype, values, dim, (uint8_t *)out + row * dim * itemsize);
+            store_row(b->dtype, values, dim, rows[row]);
         }
     }
     free(row_codes);
@@ -140,6 +164,17 @@ int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_l
     free(scale);
     free(low);
     return rc;
+}
+
+int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales,
+                    void *out) {
+    size_t n = b->heads * b->tokens, row_bytes = b->dim * (b->dtype == KVN_FP32 ? 4 : 2);
+    uint8_t **rows = malloc((n ? n : 1) * sizeof(uint8_t *));
+    if (!rows) return KVN_ERR_NOMEM;
+    for (size_t r = 0; r < n; r++) rows[r] = (uint8_t *)out + r * row_bytes;
+    int rc = kvn_int_dequant_rows(b, codes, codes_len, scales, rows);
+    free(rows);
+    return rc == KVN_ERR_DECLINED ? KVN_ERR_ARG : rc;
 }
 
 /* ---- the forward ---- */
