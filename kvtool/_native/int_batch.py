@@ -29,7 +29,8 @@ from kvtool.errors import UsageError
 
 #: The dtypes the core's inverse writes.
 INT_DTYPES = ("bf16", "fp16", "fp32")
-VERIFY_CODES, VERIFY_SCALES = 1, 2
+#: Job flags: check the codes' or the scales' raw checksum (decompressed planes); rows at strides, not listed.
+VERIFY_CODES, VERIFY_SCALES, STRIDED = 1, 2, 4
 
 
 class Declined(Exception):
@@ -63,9 +64,10 @@ class IntBatchCodec:
     def decode(self, planes: Sequence[Buffer], jobs: np.ndarray, rows: np.ndarray, targets: list[np.ndarray],
                heads: int, dim: int) -> None:
         """Restore job i's block from ``planes[2i]`` (codes) and ``planes[2i + 1]`` (scales): its row (h, t) to byte
-        ``rows[jobs["row_start"][i] + h * block_tokens + t]`` of ``targets[jobs["out_index"][i]]`` (flat writable
-        byte arrays), or nowhere where that offset is negative. ``ChunkDecodeError`` names the job that failed;
-        ``Declined`` where a block is left to the reference."""
+        ``rows[row_start + h * block_tokens + t]`` of ``targets[out_index]`` (flat writable byte arrays), or nowhere
+        where that offset is negative; with ``STRIDED``, to byte ``row_start + h * head_stride + t * row bytes`` for
+        ``token_lo <= t < token_hi``. ``ChunkDecodeError`` names the job that failed; ``Declined`` where a block is
+        left to the reference."""
         status, failed = self.core.int_decode_blocks(
             list(planes), jobs.tobytes(), rows.astype("<i8", copy=False).tobytes(), targets, self.dtype_code, heads, dim,
             self.group,

@@ -10,7 +10,11 @@
 /* One block to restore: must match kvtool/_native/int_batch.py's INT_JOB_DTYPE. */
 typedef struct {
     uint64_t codes_xxh3, scales_xxh3;  /* the planes' raw checksums */
-    int64_t row_start;                 /* its heads * block_tokens row offsets start here in `rows` */
+    /* listed rows: its heads * block_tokens row offsets start here in `rows`; INT_STRIDED: the byte offset of
+     * row (0, 0) in the target, row (h, t) lying head_stride * h + t * row bytes further, for t in token_lo..token_hi */
+    int64_t row_start;
+    int64_t head_stride;
+    uint32_t token_lo, token_hi;
     uint32_t out_index;                /* the target its rows go to */
     uint32_t block_tokens;
     uint32_t groups_per_head;          /* (scale, min) pairs per head in its scales plane */
@@ -19,18 +23,42 @@ typedef struct {
 
 #define INT_VERIFY_CODES 1u   /* check the codes plane's raw checksum (it was decompressed) */
 #define INT_VERIFY_SCALES 2u
+#define INT_STRIDED 4u        /* rows at strides (a [heads, tokens, dim] tensor), not listed */
+#define INT_FLAGS 7u
+
+/* A strided job's rows: the first and the last must lie inside the target (strides are >= 0), so all do. */
+static int strided_rows(const int_job *j, const Py_buffer *t, size_t heads, size_t row_bytes, uint8_t **rows) {
+    int64_t rb = (int64_t)row_bytes, first, last, span;
+    if (j->token_lo > j->token_hi || j->token_hi > j->block_tokens || j->head_stride < 0) return KVN_ERR_ARG;
+    if (j->token_lo < j->token_hi && heads) {
+        if (__builtin_mul_overflow((int64_t)j->token_lo, rb, &first) || __builtin_add_overflow(first, j->row_start, &first) ||
+            __builtin_mul_overflow((int64_t)(heads - 1), j->head_stride, &span) ||
+            __builtin_mul_overflow((int64_t)j->token_hi, rb, &last) || __builtin_add_overflow(last, span, &last) ||
+            __builtin_add_overflow(last, j->row_start, &last) || first < 0 || last > (int64_t)t->len)
+            return KVN_ERR_ARG;
+    }
+    for (size_t h = 0; h < heads; h++)
+        for (size_t k = 0; k < j->block_tokens; k++)
+            rows[h * j->block_tokens + k] = k >= j->token_lo && k < j->token_hi
+                ? (uint8_t *)t->buf + j->row_start + (int64_t)h * j->head_stride + (int64_t)k * rb : NULL;
+    return KVN_OK;
+}
 
 /* Checks one job against its planes and targets and points its rows into the target; a status. */
 static int int_job_rows(const int_job *j, const Py_buffer *codes, const Py_buffer *scales, const Py_buffer *t,
                         const int64_t *offsets, size_t nrows, size_t heads, size_t row_bytes, uint8_t **rows) {
     size_t n = heads * j->block_tokens;
-    if (j->row_start < 0 || (uint64_t)j->row_start > nrows || n > nrows - (size_t)j->row_start ||
-        (uint64_t)scales->len / 4 < (uint64_t)heads * j->groups_per_head || (j->flags & ~3u))
-        return KVN_ERR_ARG;
-    for (size_t r = 0; r < n; r++) {  /* every row inside its target before anything is written */
-        int64_t at = offsets[j->row_start + (int64_t)r];
-        if (at >= 0 && ((uint64_t)at > (uint64_t)t->len || row_bytes > (size_t)t->len - (size_t)at)) return KVN_ERR_ARG;
-        rows[r] = at >= 0 ? (uint8_t *)t->buf + at : NULL;
+    if ((uint64_t)scales->len / 4 < (uint64_t)heads * j->groups_per_head || (j->flags & ~INT_FLAGS)) return KVN_ERR_ARG;
+    if (j->flags & INT_STRIDED) {
+        int rc = strided_rows(j, t, heads, row_bytes, rows);
+        if (rc) return rc;
+    } else {
+        if (j->row_start < 0 || (uint64_t)j->row_start > nrows || n > nrows - (size_t)j->row_start) return KVN_ERR_ARG;
+        for (size_t r = 0; r < n; r++) {  /* every row inside its target before anything is written */
+            int64_t at = offsets[j->row_start + (int64_t)r];
+            if (at >= 0 && ((uint64_t)at > (uint64_t)t->len || row_bytes > (size_t)t->len - (size_t)at)) return KVN_ERR_ARG;
+            rows[r] = at >= 0 ? (uint8_t *)t->buf + at : NULL;
+        }
     }
     if ((j->flags & INT_VERIFY_CODES) && kvn_xxh3_64(codes->buf, (size_t)codes->len) != j->codes_xxh3)
         return KVN_ERR_CHECKSUM;
@@ -42,7 +70,8 @@ static int int_job_rows(const int_job *j, const Py_buffer *codes, const Py_buffe
 /* int_decode_blocks(planes, jobs, rows, targets, dtype, heads, dim, group) -> (status, failed job or -1)
  * Job i restores the block whose codes and scales planes are planes[2i] and planes[2i + 1]; its row
  * (head h, token t) goes to byte offset rows[row_start + h * block_tokens + t] of targets[out_index],
- * or nowhere where that offset is negative. STATUS_DECLINED: a block with non-finite scales, which
+ * or nowhere where that offset is negative (INT_STRIDED: to row_start + h * head_stride + t * row
+ * bytes, for t in token_lo..token_hi). STATUS_DECLINED: a block with non-finite scales, which
  * only the numpy reference restores. */
 PyObject *kvn_py_int_decode_blocks(PyObject *self, PyObject *args) {
     PyObject *planes, *targets;

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvtool._native import xxh3_64
 from kvtool._native.batch import Buffer, ChunkDecodeError
-from kvtool._native.int_batch import VERIFY_CODES, VERIFY_SCALES, Declined, IntBatchCodec, int_jobs
+from kvtool._native.int_batch import STRIDED, VERIFY_CODES, VERIFY_SCALES, Declined, IntBatchCodec, int_jobs
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz.format import FLAG_STORED_RAW, KvzCorruptError
 from kvtool.kvz.header import KvzHeader
@@ -34,8 +34,10 @@ class IntBatch(PerChunk):
         super().__init__(header)
         self.batch = batch
         stages: list[Any] = [header.recipe.layouts.for_kind(kind, layer)[0] for layer, kind, _ in header.tensors]
-        self._bits = [stage.code_bits for stage in stages]  # per manifest tensor
-        self._channel = [stage.axis == "channel" for stage in stages]
+        self._bits = np.array([stage.code_bits for stage in stages], np.uint8)  # per manifest tensor
+        self._channel = np.array([stage.axis == "channel" for stage in stages], np.uint8)
+        specs = header.planes_for(min(header.chunk_tokens, header.num_tokens)) if header.num_tokens else ()
+        self._codecs = [header.recipe.codec_for(spec.name) for spec in specs]  # codes' and scales'
 
     def _decode_run(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks, lo: int,
                     destination: Destination) -> None:
@@ -43,51 +45,68 @@ class IntBatch(PerChunk):
         row_bytes = h.dim * h.dtype.itemsize
         if isinstance(destination, Each):  # a block at a time, through this thread's scratch
             for i in range(len(first)):
-                block = self.scratch(int(tokens[i]))
-                in_order = np.arange(h.heads * int(tokens[i]), dtype=np.int64) * row_bytes
+                n = int(tokens[i])
+                block = self.scratch(n)
+                jobs, planes = self._jobs(data, base, first[i : i + 1], tokens[i : i + 1], blocks, lo + i)
+                jobs["flags"] |= STRIDED
+                jobs["head_stride"], jobs["token_hi"] = n * row_bytes, n
                 try:
-                    self._restore(data, base, first[i : i + 1], tokens[i : i + 1], blocks, lo + i, [in_order], [0],
-                                  [block.reshape(-1).view(np.uint8)])
+                    self._restore(jobs, planes, first[i : i + 1], np.zeros(0, np.int64), [block.reshape(-1).view(np.uint8)])
                 except Declined:
                     super()._decode_run(data, base, first[i : i + 1], tokens[i : i + 1], blocks, lo + i, destination)
                     continue
                 destination.fn(int(blocks.position[lo + i]), int(blocks.token[lo + i]), block)
             return
         positions, starts = blocks.position[lo : lo + len(first)], blocks.token[lo : lo + len(first)]
+        jobs, planes = self._jobs(data, base, first, tokens, blocks, lo)
+        if isinstance(destination, Tensors):  # rows at strides: tensor `position`, tokens from `start`, clipped
+            total = destination.array.shape[2]
+            jobs["flags"] |= STRIDED
+            jobs["row_start"] = (positions * h.heads * total + starts) * row_bytes
+            jobs["head_stride"] = total * row_bytes
+            jobs["token_lo"] = np.maximum(-starts, 0)
+            jobs["token_hi"] = np.minimum(tokens, total - starts)
+            targets, rows = [destination.array.reshape(-1).view(np.uint8)], np.zeros(0, np.int64)
+        else:
+            listed = [destination.rows[p, :, s : s + n].reshape(-1) for p, s, n in zip(positions, starts, tokens)]
+            jobs["row_start"] = np.cumsum([0] + [len(r) for r in listed[:-1]])
+            jobs["out_index"] = [destination.target_of[p] for p in positions]
+            targets, rows = list(destination.targets), np.concatenate(listed)
         try:
-            if isinstance(destination, Tensors):
-                arena = destination.array
-                offsets = [_tensor_rows(arena.shape, int(p), int(s), int(n), row_bytes) for p, s, n in zip(positions, starts, tokens)]
-                self._restore(data, base, first, tokens, blocks, lo, offsets, [0] * len(first),
-                              [arena.reshape(-1).view(np.uint8)])
-            else:
-                offsets = [destination.rows[p, :, s : s + n].reshape(-1) for p, s, n in zip(positions, starts, tokens)]
-                self._restore(data, base, first, tokens, blocks, lo, offsets, [destination.target_of[p] for p in positions],
-                              list(destination.targets))
+            self._restore(jobs, planes, first, rows, targets)
         except Declined:  # the whole run again, per chunk: what the batch wrote is written again, the same
             super()._decode_run(data, base, first, tokens, blocks, lo, destination)
 
-    def _restore(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks, lo: int,
-                 offsets: list[np.ndarray], out_index: list[int], targets: list[np.ndarray]) -> None:
-        """Blocks ``lo..`` (first index records ``first``) to their rows ``offsets`` in ``targets[out_index]``."""
+    def _jobs(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks,
+              lo: int) -> tuple[np.ndarray, list[Buffer]]:
+        """The job records of blocks ``lo..`` (first index records ``first``; the destination's fields left for the
+        caller) and their planes, codes then scales of each, checked and decompressed."""
         h = self.header
         view = memoryview(data)
+        records = np.stack([first, first + 1], axis=1).reshape(-1)
+        entries = h.index[records]
+        raw = (entries["flags"] & FLAG_STORED_RAW) != 0
+        planes = [
+            self._plane(view[at : at + length], r, plane, stored_xxh3, raw_len, stored_raw)
+            for r, plane, at, length, stored_xxh3, raw_len, stored_raw in zip(
+                records.tolist(), entries["plane"].tolist(), (entries["offset"].astype(np.int64) - base).tolist(),
+                entries["stored_len"].tolist(), entries["stored_xxh3"].tolist(), entries["raw_len"].tolist(), raw.tolist())
+        ]
+        tensor = blocks.tensor[lo : lo + len(first)]
         jobs = int_jobs(len(first))
-        planes: list[Buffer] = []
-        for i, (row, n) in enumerate(zip(first.tolist(), tokens.tolist())):
-            tensor = int(blocks.tensor[lo + i])
-            specs = h.planes_for(n)
-            flags = 0
-            for r, verify in zip((row, row + 1), (VERIFY_CODES, VERIFY_SCALES)):
-                planes.append(self._plane(view, base, r))
-                flags |= 0 if h.index[r]["flags"] & FLAG_STORED_RAW else verify
-            job = jobs[i]
-            job["codes_xxh3"], job["scales_xxh3"] = h.index[row]["raw_xxh3"], h.index[row + 1]["raw_xxh3"]
-            job["out_index"], job["block_tokens"], job["groups_per_head"] = out_index[i], n, specs[1].shape[1]
-            job["bits"], job["channel_axis"], job["flags"] = self._bits[tensor], self._channel[tensor], flags
-        jobs["row_start"] = np.cumsum([0] + [len(o) for o in offsets[:-1]])
+        jobs["codes_xxh3"], jobs["scales_xxh3"] = entries["raw_xxh3"][0::2], entries["raw_xxh3"][1::2]
+        jobs["block_tokens"] = tokens
+        jobs["groups_per_head"] = [h.planes_for(n)[1].shape[1] for n in tokens.tolist()]
+        jobs["bits"], jobs["channel_axis"] = self._bits[tensor], self._channel[tensor]
+        jobs["flags"] = np.where(raw[0::2], 0, VERIFY_CODES) | np.where(raw[1::2], 0, VERIFY_SCALES)
+        return jobs, planes
+
+    def _restore(self, jobs: np.ndarray, planes: list[Buffer], first: np.ndarray, rows: np.ndarray,
+                 targets: list[np.ndarray]) -> None:
+        """The core restores the blocks of ``jobs`` from ``planes``; errors as the per-chunk path's."""
+        h = self.header
         try:
-            self.batch.decode(planes, jobs, np.concatenate(offsets), targets, h.heads, h.dim)
+            self.batch.decode(planes, jobs, rows, targets, h.heads, h.dim)
         except ChunkDecodeError as exc:
             row = int(first[exc.job])
             if exc.reason == "checksum":
@@ -95,31 +114,17 @@ class IntBatch(PerChunk):
                 raise h.chunk_error(KvzCorruptError, row, f"{h.describe(row)} decodes to different bytes than were written") from None
             raise h.chunk_error(KvzCorruptError, row, f"{h.describe(row)} {exc}") from None
 
-    def _plane(self, view: memoryview, base: int, r: int) -> Buffer:
+    def _plane(self, stored: memoryview, r: int, plane: int, stored_xxh3: int, raw_len: int, stored_raw: bool) -> Buffer:
         """Index record ``r``'s plane: its stored checksum checked, decompressed unless stored raw, its size checked."""
         h = self.header
-        entry = h.index[r]
-        at = int(entry["offset"]) - base
-        stored = view[at : at + int(entry["stored_len"])]
-        if xxh3_64(stored) != int(entry["stored_xxh3"]):
+        if xxh3_64(stored) != stored_xxh3:
             raise h.chunk_error(KvzCorruptError, r, f"checksum mismatch in {h.describe(r)}")
-        if entry["flags"] & FLAG_STORED_RAW:
+        if stored_raw:
             return stored  # its checksum, just verified, is the raw checksum too
-        spec = h.planes_for(int(entry["token_count"]))[int(entry["plane"])]
         try:
-            raw = h.recipe.codec_for(spec.name).decode(stored, max_size=int(entry["raw_len"]))
+            raw = self._codecs[plane].decode(stored, max_size=raw_len)
         except (DecodeError, UsageError) as exc:
             raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} does not decode: {exc}") from None
-        if len(raw) != entry["raw_len"]:
+        if len(raw) != raw_len:
             raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} decodes to different bytes than were written")
         return raw
-
-
-def _tensor_rows(shape: tuple[int, ...], position: int, start: int, tokens: int, row_bytes: int) -> np.ndarray:
-    """Byte offsets of a block's rows (h, t) in a C-contiguous ``[n, heads, T, dim]`` array: tensor ``position``,
-    token ``start + t``; -1 for the tokens outside ``0..T``."""
-    _, heads, total, _ = shape
-    t = start + np.arange(tokens, dtype=np.int64)
-    offsets = ((position * heads + np.arange(heads, dtype=np.int64))[:, None] * total + t[None, :]) * row_bytes
-    offsets[:, (t < 0) | (t >= total)] = -1
-    return offsets.reshape(-1)
