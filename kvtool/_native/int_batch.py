@@ -16,6 +16,7 @@ The inverse is intquant.c's, byte for byte the numpy reference's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Sequence
@@ -24,7 +25,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool._native.batch import Buffer, ChunkDecodeError
-from kvtool.dtypes import dtype_of
+from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import UsageError
 
 #: The dtypes the core's inverse writes.
@@ -91,14 +92,15 @@ def error_stats(exact: np.ndarray, approx: np.ndarray) -> tuple[float, float, fl
     """``(max |approx - exact|, sum of squared errors, sum of squared values)`` in float64, as numpy computes them
     (the same bits: pairwise sums in numpy's order), from the core; None where it is off or takes not the dtype."""
     core = _native.core()
-    if core is None or exact.dtype != approx.dtype or exact.shape != approx.shape:
-        return None
-    try:
-        name = dtype_of(exact.dtype).name
-    except UsageError:
-        return None
-    if name not in INT_DTYPES:
+    code = _stats_codes().get(exact.dtype)
+    if core is None or code is None or exact.dtype != approx.dtype or exact.shape != approx.shape:
         return None
     stats = core.error_stats(_native.byte_view(np.ascontiguousarray(exact)), _native.byte_view(np.ascontiguousarray(approx)),
-                             _native.DTYPE_CODES[name])
+                             code)
     return None if stats is None else (float(stats[0]), float(stats[1]), float(stats[2]))
+
+
+@functools.lru_cache(maxsize=1)
+def _stats_codes() -> dict[np.dtype, int]:
+    """The core's dtype code of each numpy dtype ``error_stats`` takes, looked up once (it runs once a block)."""
+    return {DTYPES[name].numpy: _native.DTYPE_CODES[name] for name in INT_DTYPES}

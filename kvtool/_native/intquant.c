@@ -87,7 +87,7 @@ static void unpack_codes(const uint8_t *codes, size_t len, size_t bit, size_t co
     }
 }
 
-static void store_row(int dtype, const float *values, size_t count, void *out) {
+static inline __attribute__((always_inline)) void store_row(int dtype, const float *values, size_t count, void *out) {
     if (dtype == KVN_BF16) {
         for (size_t d = 0; d < count; d++) ((uint16_t *)out)[d] = f32_to_bf16(values[d]);
     } else if (dtype == KVN_FP16) {
@@ -199,7 +199,7 @@ static uint16_t f64_to_f16_directed(double x, int up) {
 }
 
 /* One row of a block as doubles (exact for every input dtype). */
-static void load_row(int dtype, const void *src, size_t count, double *out) {
+static inline __attribute__((always_inline)) void load_row(int dtype, const void *src, size_t count, double *out) {
     if (dtype == KVN_BF16) {
         for (size_t d = 0; d < count; d++) {
             uint32_t bits = (uint32_t)((const uint16_t *)src)[d] << 16;
@@ -215,7 +215,7 @@ static void load_row(int dtype, const void *src, size_t count, double *out) {
 }
 
 /* x rounded to the nearest integer, ties to even, for 0 <= x < 2^51: what rint does, inline. */
-static inline double round_even(double x) {
+static inline __attribute__((always_inline)) double round_even(double x) {
     const double shift = 6755399441055744.0; /* 1.5 * 2^52: the sum keeps no fraction bits */
     return (x + shift) - shift;
 }
@@ -223,7 +223,7 @@ static inline double round_even(double x) {
 /* Each group's least and greatest value into least/most (indexed as the scales plane); nonzero
  * on a value the reference refuses (NaN, infinity, beyond fp16). Channel groups keep a running
  * range per channel over their tokens; token groups are runs within a row. */
-static int group_ranges(const kvn_int_block *b, const void *src, double *row, double *lo, double *hi,
+static inline __attribute__((always_inline)) int group_ranges(const kvn_int_block *b, const void *src, double *row, double *lo, double *hi,
                         double *least, double *most) {
     size_t dim = b->dim, group = b->group, itemsize = b->dtype == KVN_FP32 ? 4 : 2;
     size_t token_groups = (b->tokens + group - 1) / group, channel_groups = (dim + group - 1) / group;
@@ -235,9 +235,20 @@ static int group_ranges(const kvn_int_block *b, const void *src, double *row, do
             for (size_t d = 0; d < dim; d++) bad |= !(fabs(row[d]) <= 65504.0);
             if (!b->channel_axis) {
                 for (size_t g = 0; g < channel_groups; g++) {
-                    size_t end = (g + 1) * group < dim ? (g + 1) * group : dim;
-                    double m = INFINITY, M = -INFINITY;
-                    for (size_t d = g * group; d < end; d++) {
+                    size_t d = g * group, end = (g + 1) * group < dim ? (g + 1) * group : dim;
+                    /* four lanes, then one: which of two equal zeros wins does not matter (the caller adds 0.0) */
+                    double m4[4] = {INFINITY, INFINITY, INFINITY, INFINITY}, M4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+                    for (; d + 4 <= end; d += 4)
+                        for (int k = 0; k < 4; k++) {
+                            m4[k] = row[d + k] < m4[k] ? row[d + k] : m4[k];
+                            M4[k] = row[d + k] > M4[k] ? row[d + k] : M4[k];
+                        }
+                    double m = m4[0], M = M4[0];
+                    for (int k = 1; k < 4; k++) {
+                        m = m4[k] < m ? m4[k] : m;
+                        M = M4[k] > M ? M4[k] : M;
+                    }
+                    for (; d < end; d++) {
                         m = row[d] < m ? row[d] : m;
                         M = row[d] > M ? row[d] : M;
                     }
@@ -262,23 +273,37 @@ static int group_ranges(const kvn_int_block *b, const void *src, double *row, do
     return bad;
 }
 
-/* Row (h, t)'s per-channel min and step (scale, or 1 where the scale is 0), from the groups'. */
-static void row_params(const kvn_int_block *b, size_t h, size_t t, const double *low, const double *step,
-                       double *row_low, double *row_step) {
-    size_t dim = b->dim, group = b->group, token_groups = (b->tokens + group - 1) / group;
-    size_t base = h * b->groups_per_head;
-    if (b->channel_axis) {
-        for (size_t d = 0; d < dim; d++) {
-            row_low[d] = low[base + d * token_groups + t / group];
-            row_step[d] = step[base + d * token_groups + t / group];
-        }
-        return;
+/* Row (h, t)'s per-channel min and step (scale, or 1 where the scale is 0), from the groups' (channel axis). */
+static inline __attribute__((always_inline)) void row_params(const kvn_int_block *b, size_t h, size_t t,
+                                                             const double *low, const double *step, double *row_low,
+                                                             double *row_step) {
+    size_t token_groups = (b->tokens + b->group - 1) / b->group, at = h * b->groups_per_head + t / b->group;
+    for (size_t d = 0; d < b->dim; d++) {
+        row_low[d] = low[at + d * token_groups];
+        row_step[d] = step[at + d * token_groups];
     }
-    base += t * ((dim + group - 1) / group);
-    for (size_t d = 0, in_group = 0; d < dim; d++) {  /* d / group, counted */
-        row_low[d] = low[base];
-        row_step[d] = step[base];
-        if (++in_group == group) in_group = 0, base++;
+}
+
+/* Eight codes at a time into `bits` bytes, most significant bit first; `bits` is a constant in each caller. */
+static inline __attribute__((always_inline)) void pack_eights(const uint8_t *row_codes, size_t count, const int bits,
+                                                             uint8_t *out) {
+    for (size_t d = 0; d < count; d += 8, out += bits) {
+        uint64_t word = 0;
+        for (int k = 0; k < 8; k++) word = word << bits | row_codes[d + k];
+        for (int k = 0; k < bits; k++) out[k] = (uint8_t)(word >> (8 * (bits - 1 - k)));
+    }
+}
+
+/* A row of `count` codes (a multiple of eight) packed from a byte boundary. */
+static void pack_row(const uint8_t *row_codes, size_t count, int bits, uint8_t *out) {
+    switch (bits) {  /* one copy of the loop per width */
+    case 1: pack_eights(row_codes, count, 1, out); break;
+    case 2: pack_eights(row_codes, count, 2, out); break;
+    case 3: pack_eights(row_codes, count, 3, out); break;
+    case 4: pack_eights(row_codes, count, 4, out); break;
+    case 5: pack_eights(row_codes, count, 5, out); break;
+    case 6: pack_eights(row_codes, count, 6, out); break;
+    default: pack_eights(row_codes, count, 7, out); break;
     }
 }
 
@@ -319,15 +344,26 @@ int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_
     for (size_t h = 0; rc == KVN_OK && h < b->heads; h++)
         for (size_t t = 0; t < b->tokens; t++) {
             load_row(b->dtype, (const uint8_t *)src + (h * b->tokens + t) * dim * itemsize, dim, row);
-            if (!b->channel_axis || t % group == 0) row_params(b, h, t, low, step, row_low, row_step);
-            for (size_t d = 0; d < dim; d++) {  /* >= 0: a group's min is at most its least value */
-                double code = round_even((row[d] - row_low[d]) / row_step[d]);
-                row_codes[d] = (uint8_t)(int32_t)(code < top ? code : top);
+            if (b->channel_axis) {
+                if (t % group == 0) row_params(b, h, t, low, step, row_low, row_step);
+                for (size_t d = 0; d < dim; d++) {  /* >= 0: a group's min is at most its least value */
+                    double code = round_even((row[d] - row_low[d]) / row_step[d]);
+                    row_codes[d] = (uint8_t)(int32_t)(code < top ? code : top);
+                }
+            } else {
+                size_t base = h * b->groups_per_head + t * ((dim + group - 1) / group);
+                for (size_t d0 = 0; d0 < dim; d0 += group, base++) {  /* one (min, step) per group of the row */
+                    double l = low[base], st = step[base];
+                    size_t end = d0 + group < dim ? d0 + group : dim;
+                    for (size_t d = d0; d < end; d++) {
+                        double code = round_even((row[d] - l) / st);
+                        row_codes[d] = (uint8_t)(int32_t)(code < top ? code : top);
+                    }
+                }
             }
-            if (held == 0 && (b->bits == 8 || (b->bits == 4 && dim % 2 == 0))) {  /* whole bytes per row */
+            if (held == 0 && dim % 8 == 0) {  /* whole bytes per row: eight codes are `bits` bytes */
                 if (b->bits == 8) memcpy(codes + at, row_codes, dim);
-                else
-                    for (size_t d = 0; d < dim; d += 2) codes[at + d / 2] = (uint8_t)(row_codes[d] << 4 | row_codes[d + 1]);
+                else pack_row(row_codes, dim, b->bits, codes + at);
                 at += dim * (size_t)b->bits / 8;
                 continue;
             }

@@ -15,15 +15,7 @@ typedef struct {
     double worst;
 } stats_src;
 
-static double as_double(int dtype, const void *p, size_t i) {
-    if (dtype == KVN_FP32) return ((const float *)p)[i];
-    uint16_t h = ((const uint16_t *)p)[i];
-    float f;
-    if (dtype == KVN_BF16) {
-        uint32_t bits = (uint32_t)h << 16;
-        memcpy(&f, &bits, 4);
-        return f;
-    }
+static double half_to_double(uint16_t h) {
     uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
     double magnitude = exponent == 0 ? ldexp((double)mantissa, -24)
                        : exponent == 31 ? (mantissa ? NAN : INFINITY)
@@ -31,8 +23,25 @@ static double as_double(int dtype, const void *p, size_t i) {
     return (h & 0x8000u) ? -magnitude : magnitude;
 }
 
+/* Values i..i+n-1 of p as doubles (exact for every dtype taken). */
+static inline __attribute__((always_inline)) void load(int dtype, const void *p, size_t i, size_t n, double *out) {
+    if (dtype == KVN_FP32) {
+        for (size_t k = 0; k < n; k++) out[k] = ((const float *)p)[i + k];
+    } else if (dtype == KVN_BF16) {
+        for (size_t k = 0; k < n; k++) {
+            uint32_t bits = (uint32_t)((const uint16_t *)p)[i + k] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            out[k] = f;
+        }
+    } else {
+        for (size_t k = 0; k < n; k++) out[k] = half_to_double(((const uint16_t *)p)[i + k]);
+    }
+}
+
 /* Values i..i+n-1: their squared errors' and squared values' sums into sums[0], sums[1], as numpy's
  * DOUBLE_pairwise_sum adds them; the largest |error| into src->worst. */
+KVN_MULTIVERSION
 static void pairwise(stats_src *src, size_t i, size_t n, double sums[2]) {
     if (n > PAIRWISE_BLOCK) {
         size_t half = n / 2;
@@ -45,13 +54,16 @@ static void pairwise(stats_src *src, size_t i, size_t n, double sums[2]) {
         return;
     }
     double e2[PAIRWISE_BLOCK], x2[PAIRWISE_BLOCK];
+    load(src->dtype, src->exact, i, n, x2);
+    load(src->dtype, src->approx, i, n, e2);
+    double worst = src->worst;  /* a NaN error is left out here; kvn_error_stats finds it in the squares' sum */
     for (size_t k = 0; k < n; k++) {
-        double x = as_double(src->dtype, src->exact, i + k), e = as_double(src->dtype, src->approx, i + k) - x;
-        double magnitude = fabs(e);
-        if (magnitude > src->worst || magnitude != magnitude) src->worst = magnitude != magnitude ? NAN : magnitude;
+        double e = e2[k] - x2[k], magnitude = fabs(e);
+        worst = magnitude > worst ? magnitude : worst;
         e2[k] = e * e;
-        x2[k] = x * x;
+        x2[k] = x2[k] * x2[k];
     }
+    src->worst = worst;
     const double *v[2] = {e2, x2};
     for (int s = 0; s < 2; s++) {
         const double *a = v[s];
@@ -76,7 +88,7 @@ int kvn_error_stats(int dtype, const void *exact, const void *approx, size_t n, 
     stats_src src = {dtype, exact, approx, 0.0};
     double sums[2] = {0.0, 0.0};
     if (n) pairwise(&src, 0, n, sums);
-    out[0] = src.worst;
+    out[0] = sums[0] != sums[0] ? NAN : src.worst;  /* squares are >= 0: their sum is NaN only where an error is, as numpy's max */
     out[1] = 0.0 + sums[0];  /* numpy starts a sum at the identity, 0.0 */
     out[2] = 0.0 + sums[1];
     return KVN_OK;
