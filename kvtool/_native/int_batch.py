@@ -92,8 +92,8 @@ def error_stats(exact: np.ndarray, approx: np.ndarray) -> tuple[float, float, fl
     """``(max |approx - exact|, sum of squared errors, sum of squared values)`` in float64, as numpy computes them
     (the same bits: pairwise sums in numpy's order), from the core; None where it is off or takes not the dtype."""
     core = _native.core()
-    code = _stats_codes().get(exact.dtype)
-    if core is None or code is None or exact.dtype != approx.dtype or exact.shape != approx.shape:
+    code = _stats_codes().get(exact.dtype.name)  # by name: comparing ml_dtypes' dtypes costs more than the sums
+    if core is None or code is None or approx.dtype.name != exact.dtype.name or exact.shape != approx.shape:
         return None
     stats = core.error_stats(_native.byte_view(np.ascontiguousarray(exact)), _native.byte_view(np.ascontiguousarray(approx)),
                              code)
@@ -101,6 +101,6 @@ def error_stats(exact: np.ndarray, approx: np.ndarray) -> tuple[float, float, fl
 
 
 @functools.lru_cache(maxsize=1)
-def _stats_codes() -> dict[np.dtype, int]:
-    """The core's dtype code of each numpy dtype ``error_stats`` takes, looked up once (it runs once a block)."""
-    return {DTYPES[name].numpy: _native.DTYPE_CODES[name] for name in INT_DTYPES}
+def _stats_codes() -> dict[str, int]:
+    """The core's dtype code of each numpy dtype ``error_stats`` takes, by numpy's name, looked up once."""
+    return {DTYPES[name].numpy.name: _native.DTYPE_CODES[name] for name in INT_DTYPES}

@@ -181,16 +181,19 @@ int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_l
 
 /* The fp16 nearest to x in one direction (up: the least fp16 >= x, else the greatest <= x), as
  * bits; infinity past the largest finite one. x is finite. */
-static uint16_t f64_to_f16_directed(double x, int up) {
+static inline __attribute__((always_inline)) uint16_t f64_to_f16_directed(double x, int up) {
     uint16_t sign = signbit(x) ? 0x8000u : 0u;
     double magnitude = fabs(x);
     int away = sign ? !up : up;  /* round the magnitude up (away from zero) or down */
     if (magnitude == 0.0) return sign;
-    int exponent;
-    frexp(magnitude, &exponent);  /* magnitude in [2^(exponent-1), 2^exponent) */
-    exponent -= 1;
-    if (exponent < -14) exponent = -14;  /* subnormals share the smallest binade's step, 2^-24 */
-    double steps = ldexp(magnitude, 10 - exponent);  /* exact: a power-of-two scaling */
+    uint64_t bits64;
+    memcpy(&bits64, &magnitude, 8);
+    int exponent = (int)((bits64 >> 52) & 0x7FFu) - 1023;  /* magnitude in [2^exponent, 2^(exponent+1)) */
+    if (exponent < -14) exponent = -14;  /* subnormals share the smallest binade's step, 2^-24 (so do tiny doubles) */
+    uint64_t scale_bits = (uint64_t)(10 - exponent + 1023) << 52;  /* 2^(10 - exponent), a normal double */
+    double scale;
+    memcpy(&scale, &scale_bits, 8);
+    double steps = magnitude * scale;  /* exact: a power-of-two scaling */
     double q = away ? ceil(steps) : floor(steps);
     /* bits = biased exponent and mantissa; a carry out of the mantissa moves to the next binade */
     uint32_t bits = exponent == -14 && q < 1024.0 ? (uint32_t)q : ((uint32_t)(exponent + 15) << 10) + (uint32_t)q - 1024u;

@@ -56,14 +56,25 @@ static void pairwise(stats_src *src, size_t i, size_t n, double sums[2]) {
     double e2[PAIRWISE_BLOCK], x2[PAIRWISE_BLOCK];
     load(src->dtype, src->exact, i, n, x2);
     load(src->dtype, src->approx, i, n, e2);
-    double worst = src->worst;  /* a NaN error is left out here; kvn_error_stats finds it in the squares' sum */
-    for (size_t k = 0; k < n; k++) {
+    /* the largest |error| in four lanes (exact in any order; magnitudes have no sign), NaN errors left out here:
+     * kvn_error_stats finds them in the squares' sum */
+    double worst[4] = {src->worst, src->worst, src->worst, src->worst};
+    size_t k = 0;
+    for (; k + 4 <= n; k += 4)
+        for (int j = 0; j < 4; j++) {
+            double e = e2[k + j] - x2[k + j], magnitude = fabs(e);
+            worst[j] = magnitude > worst[j] ? magnitude : worst[j];
+            e2[k + j] = e * e;
+            x2[k + j] = x2[k + j] * x2[k + j];
+        }
+    for (; k < n; k++) {
         double e = e2[k] - x2[k], magnitude = fabs(e);
-        worst = magnitude > worst ? magnitude : worst;
+        worst[0] = magnitude > worst[0] ? magnitude : worst[0];
         e2[k] = e * e;
         x2[k] = x2[k] * x2[k];
     }
-    src->worst = worst;
+    for (int j = 1; j < 4; j++) worst[0] = worst[j] > worst[0] ? worst[j] : worst[0];
+    src->worst = worst[0];
     const double *v[2] = {e2, x2};
     for (int s = 0; s < 2; s++) {
         const double *a = v[s];
