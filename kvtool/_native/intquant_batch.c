@@ -40,7 +40,7 @@ static int strided_rows(const int_job *j, const Py_buffer *t, size_t heads, size
     for (size_t h = 0; h < heads; h++)
         for (size_t k = 0; k < j->block_tokens; k++)
             rows[h * j->block_tokens + k] = k >= j->token_lo && k < j->token_hi
-                ? (uint8_t *)t->buf + j->row_start + (int64_t)h * j->head_stride + (int64_t)k * rb : NULL;
+                ? (uint8_t *)t->buf + (j->row_start + (int64_t)h * j->head_stride + (int64_t)k * rb) : NULL;
     return KVN_OK;
 }
 

@@ -1,8 +1,9 @@
 """The chunk pipeline: how a reader turns selected token blocks into their destination.
 
 As zarr's ``BatchedCodecPipeline``, it is chosen once, when a reader opens, from
-the recipe (``kvtool.kvz.reader.pipeline_for``): the native batch (the core verifies and decodes
-many chunks per call, ``exphuff`` and ``none``; ``int|zstd``'s in ``kvtool.kvz.int_pipeline``) or per chunk (any recipe: the
+the recipe (``kvtool.kvz.reader.pipeline_for``): the native batch (the core
+verifies and decodes many chunks per call: ``exphuff`` and ``none`` here, the
+``int`` stage with zstd in ``kvtool.kvz.int_pipeline``) or per chunk (any recipe: the
 codecs, then the layout chain's inverse writing into the destination through
 ``decode_array(out=)`` and ``inverse_into``). Both take one ``decode(blocks,
 destination)``, where the destination is

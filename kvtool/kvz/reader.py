@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from kvtool._native import xxh3_64
+from kvtool._native.batch import BatchCodec
+from kvtool._native.int_batch import IntBatchCodec
 from kvtool.cache import KVCache
 from kvtool.dtypes import DType
 from kvtool.errors import UsageError
@@ -18,8 +20,6 @@ from kvtool.kvz.format import (
     DEFAULT_MAX_EXPANSION, DEFAULT_MAX_SIZE, MAGIC, KvzCorruptError, KvzTooLargeError,
 )
 from kvtool.kvz.header import KvzHeader, Tensor, read_metadata
-from kvtool._native.batch import BatchCodec
-from kvtool._native.int_batch import IntBatchCodec
 from kvtool.kvz.int_pipeline import IntBatch
 from kvtool.kvz.pipeline import Blocks, ChunkPipeline, Destination, Each, NativeBatch, PerChunk, Rows, Tensors
 from kvtool.kvz.sources import Buffer, ByteSource, BytesSource, FileSource
