@@ -42,6 +42,24 @@ BLOCK_META_DTYPE = np.dtype(
     [("stored_len", "<u8"), ("raw_len", "<u8"), ("stored_xxh3", "<u8"), ("raw_xxh3", "<u8"), ("flags", "<u8")]
 )
 JOB_STORED_RAW = 1
+#: One block of the lossy int stage for ``int_decode_blocks``; the C struct ``int_job`` in intquant_batch.c.
+INT_JOB_DTYPE = np.dtype(
+    [
+        ("codes_xxh3", "<u8"),
+        ("scales_xxh3", "<u8"),
+        ("row_start", "<i8"),
+        ("head_stride", "<i8"),
+        ("token_lo", "<u4"),
+        ("token_hi", "<u4"),
+        ("out_index", "<u4"),
+        ("block_tokens", "<u4"),
+        ("groups_per_head", "<u4"),
+        ("bits", "u1"),
+        ("channel_axis", "u1"),
+        ("flags", "u1"),
+        ("reserved", "u1"),
+    ]
+)
 
 #: dtype name -> the core's dtype code (enum kvn_dtype in kvn.h).
 DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
@@ -58,6 +76,7 @@ def _load() -> tuple[ModuleType | None, str]:
     except ImportError as exc:
         return None, f"not built ({exc}); reinstall kvtool with a C compiler present"
     if (module.JOB_SIZE != JOB_DTYPE.itemsize or module.BLOCK_META_SIZE != BLOCK_META_DTYPE.itemsize
+            or getattr(module, "INT_JOB_SIZE", None) != INT_JOB_DTYPE.itemsize
             or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
     return module, ""

@@ -451,6 +451,10 @@ PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
 /* The outliers side channel's bindings live in outliers.c. */
 PyObject *kvn_py_outliers_split(PyObject *self, PyObject *args);
 PyObject *kvn_py_outliers_merge(PyObject *self, PyObject *args);
+/* The int stage's batch restore and the lossy error statistics live in intquant_batch.c. */
+PyObject *kvn_py_int_decode_blocks(PyObject *self, PyObject *args);
+PyObject *kvn_py_error_stats(PyObject *self, PyObject *args);
+int kvn_py_intquant_add_constants(PyObject *module);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -468,6 +472,8 @@ static PyMethodDef methods[] = {
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"outliers_split", kvn_py_outliers_split, METH_VARARGS, "Keep each row's outliers of one block apart; returns a status."},
     {"outliers_merge", kvn_py_outliers_merge, METH_VARARGS, "Write a block's outliers back into it; returns a status."},
+    {"int_decode_blocks", kvn_py_int_decode_blocks, METH_VARARGS, "Restore a batch of int-stage blocks into given rows: (status, failed job)."},
+    {"error_stats", kvn_py_error_stats, METH_VARARGS, "A lossy block's (max abs error, squared errors, squared values), as numpy sums them."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };
@@ -481,7 +487,8 @@ PyMODINIT_FUNC PyInit__core(void) {
         PyModule_AddIntConstant(m, "BLOCK_META_SIZE", (long)sizeof(block_meta)) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_CORRUPT", KVN_ERR_CORRUPT) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_CHECKSUM", KVN_ERR_CHECKSUM) < 0 ||
-        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0 || kvn_py_ctxans_add_constants(m) < 0) {
+        PyModule_AddIntConstant(m, "STATUS_ARG", KVN_ERR_ARG) < 0 || kvn_py_ctxans_add_constants(m) < 0 ||
+        kvn_py_intquant_add_constants(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -46,6 +46,7 @@ enum kvn_status {
     KVN_ERR_NOMEM = 2,
     KVN_ERR_ARG = 3,        /* unsupported dtype or geometry */
     KVN_ERR_CHECKSUM = 4,   /* stored bytes do not match their checksum */
+    KVN_ERR_DECLINED = 5,   /* valid input the kernel leaves to the numpy reference (the int stage's non-finite scales) */
 };
 
 size_t kvn_itemsize(int dtype);
@@ -73,8 +74,18 @@ typedef struct {
 
 /* Restore a C-contiguous block from its codes plane and its fp16 scales plane [heads, groups_per_head, 2]. */
 int kvn_int_dequant(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales, void *out);
+/* The same values, row (h, t) written to rows[h * tokens + t] (dim values), or nowhere where that is NULL: any
+ * destination whose rows are contiguous. KVN_ERR_DECLINED on non-finite scales (kvn_int_dequant: KVN_ERR_ARG). */
+int kvn_int_dequant_rows(const kvn_int_block *b, const uint8_t *codes, size_t codes_len, const uint16_t *scales,
+                         uint8_t *const *rows);
 /* Quantize a C-contiguous block into its codes plane (exactly its size) and scales plane. KVN_ERR_ARG also
  * where the reference refuses the values (non-finite, beyond fp16, a range its scale cannot hold). */
 int kvn_int_quant(const kvn_int_block *b, const void *src, uint8_t *codes, size_t codes_len, uint16_t *scales);
+
+/* ---- what a lossy round trip costs a block (see lossy_stats.c) ---- */
+
+/* Over n values of `dtype` (bf16, fp16 or fp32), as float64: the largest |approx - exact|, and the sums of the
+ * squared errors and of the squared exact values, summed pairwise in numpy's order, so the bits equal numpy's. */
+int kvn_error_stats(int dtype, const void *exact, const void *approx, size_t n, double out[3]);
 
 #endif

@@ -1,8 +1,9 @@
 """The chunk pipeline: how a reader turns selected token blocks into their destination.
 
 As zarr's ``BatchedCodecPipeline``, it is chosen once, when a reader opens, from
-the recipe (``pipeline_for``): the native batch (the core verifies and decodes
-many chunks per call, ``exphuff`` and ``none``) or per chunk (any recipe: the
+the recipe (``kvtool.kvz.reader.pipeline_for``): the native batch (the core
+verifies and decodes many chunks per call: ``exphuff`` and ``none`` here, the
+``int`` stage with zstd in ``kvtool.kvz.int_pipeline``) or per chunk (any recipe: the
 codecs, then the layout chain's inverse writing into the destination through
 ``decode_array(out=)`` and ``inverse_into``). Both take one ``decode(blocks,
 destination)``, where the destination is
@@ -77,12 +78,6 @@ class Each:
 
 
 Destination = Union[Tensors, Rows, Each]
-
-
-def pipeline_for(header: KvzHeader) -> "ChunkPipeline":
-    """The native batch where the core implements the recipe on this dtype, else per chunk."""
-    batch = BatchCodec.for_recipe(header.recipe, header.dtype.numpy)
-    return NativeBatch(header, batch) if batch is not None else PerChunk(header)
 
 
 class ChunkPipeline(abc.ABC):

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from kvtool._native import xxh3_64
+from kvtool._native.batch import BatchCodec
+from kvtool._native.int_batch import IntBatchCodec
 from kvtool.cache import KVCache
 from kvtool.dtypes import DType
 from kvtool.errors import UsageError
@@ -18,7 +20,8 @@ from kvtool.kvz.format import (
     DEFAULT_MAX_EXPANSION, DEFAULT_MAX_SIZE, MAGIC, KvzCorruptError, KvzTooLargeError,
 )
 from kvtool.kvz.header import KvzHeader, Tensor, read_metadata
-from kvtool.kvz.pipeline import Blocks, Destination, Each, Rows, Tensors, pipeline_for
+from kvtool.kvz.int_pipeline import IntBatch
+from kvtool.kvz.pipeline import Blocks, ChunkPipeline, Destination, Each, NativeBatch, PerChunk, Rows, Tensors
 from kvtool.kvz.sources import Buffer, ByteSource, BytesSource, FileSource
 from kvtool.layouts.base import PlaneSpec
 from kvtool.recipe import Recipe
@@ -303,6 +306,16 @@ class KvzReader:
             "by_layer": group(self.header.tensors[t][0] for t in self.index["tensor"]),
             "by_plane": group(names[p] for p in self.index["plane"]),
         }
+
+
+def pipeline_for(header: KvzHeader) -> ChunkPipeline:
+    """The native batch where the core implements the recipe on this dtype (the lossless coders, or the ``int``
+    stage with zstd), else per chunk."""
+    batch = BatchCodec.for_recipe(header.recipe, header.dtype.numpy)
+    if batch is not None:
+        return NativeBatch(header, batch)
+    lossy = IntBatchCodec.for_recipe(header.recipe, header.dtype.numpy)
+    return IntBatch(header, lossy) if lossy is not None else PerChunk(header)
 
 
 def _discard(tensor: int, token: int, block: np.ndarray) -> None:

@@ -114,9 +114,10 @@ def _write_blocks(out: BinaryIO, tensors: Tensors, recipe: Recipe, chunk_tokens:
         for start in range(0, array.shape[1], chunk_tokens)
     )
 
+    bound = [recipe.for_kind(kind, layer) for layer, kind, _ in tensors]  # once a tensor, not once a block
+
     def encode(block: _Block) -> tuple[list[EncodedPlane], Any]:
-        layer, kind, _ = tensors[block.tensor]
-        return _encode_block(block, recipe.for_kind(kind, layer), tally is not None)
+        return _encode_block(block, bound[block.tensor], tally is not None)
 
     for block, (chunks, error) in map_bounded(encode, blocks, threads):
         if tally is not None:

@@ -90,6 +90,8 @@ class IntQuant(LossyLayout):
         self.widest = max([self.kind_bits("k"), self.kind_bits("v"), *self._layer_bits.values()])
         self._axis: str | None = None  # set by for_kind
         self._bits: int | None = None  # set by for_kind, where the tensor's layer is known or no layer has a width of its own
+        #: plan_plane's answers, shared with the copies for_kind binds (a plan depends on neither kind nor layer)
+        self._plans: dict[PlaneSpec, tuple[PlaneSpec, PlaneSpec]] = {}
 
     def kind_bits(self, kind: str) -> int:
         """The code width of a kind's tensors, before ``layers``' per-layer widths."""
@@ -136,13 +138,16 @@ class IntQuant(LossyLayout):
         return rows, -(-length // self.group), length
 
     def plan_plane(self, spec: PlaneSpec) -> list[PlaneSpec]:
-        self.check_input(spec)
-        heads, tokens, dim = spec.shape
-        groups = max(rows * per_row for rows, per_row, _ in (self._counts(a, tokens, dim) for a in {self.k, self.v}))
-        return [
-            PlaneSpec(child_name(spec.name, "codes"), (-(-heads * tokens * dim * self.widest // 8),), np.dtype(np.uint8)),
-            PlaneSpec(child_name(spec.name, "scales"), (heads, groups, 2), np.dtype(np.float16)),
-        ]
+        plan = self._plans.get(spec)  # a block's plan is asked for several times a block: worked out once
+        if plan is None:
+            self.check_input(spec)
+            heads, tokens, dim = spec.shape
+            groups = max(rows * per_row for rows, per_row, _ in (self._counts(a, tokens, dim) for a in {self.k, self.v}))
+            plan = self._plans[spec] = (
+                PlaneSpec(child_name(spec.name, "codes"), (-(-heads * tokens * dim * self.widest // 8),), np.dtype(np.uint8)),
+                PlaneSpec(child_name(spec.name, "scales"), (heads, groups, 2), np.dtype(np.float16)),
+            )
+        return list(plan)
 
     def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
         planes = self._native_forward(plane)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, cast
 
 import numpy as np
 
+from kvtool._native.int_batch import error_stats
 from kvtool.cache import DTYPES, DType, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, check_planes, dtype_name
@@ -180,7 +181,11 @@ class ErrorTally:
 
     @staticmethod
     def block(exact: np.ndarray, approx: np.ndarray) -> tuple[float, float, float]:
-        """One block's ``(worst, squared errors, squares)``: computed where the block is, added in order by ``add``."""
+        """One block's ``(worst, squared errors, squares)``: computed where the block is, added in order by ``add``.
+        The core computes the same bits where it is built; numpy's casts here are the reference."""
+        native = error_stats(exact, approx)
+        if native is not None:
+            return native
         values = exact.astype(np.float64)
         error = approx.astype(np.float64) - values
         return float(np.abs(error).max(initial=0.0)), float(np.square(error).sum()), float(np.square(values).sum())
