@@ -448,6 +448,9 @@ int kvn_py_ctxans_add_constants(PyObject *module);
 PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
+/* The int stage's coded codes plane (codes=ctx) lives in intcodes.c. */
+PyObject *kvn_py_int_codes_encode(PyObject *self, PyObject *args);
+PyObject *kvn_py_int_codes_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -463,6 +466,8 @@ static PyMethodDef methods[] = {
     {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
+    {"int_codes_encode", kvn_py_int_codes_encode, METH_VARARGS, "Code one block's packed int codes as a codes=ctx plane; returns a status."},
+    {"int_codes_decode", kvn_py_int_codes_decode, METH_VARARGS, "The packed int codes a codes=ctx plane holds; returns 0 or why it is refused."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };
