@@ -1,6 +1,7 @@
 /* The `int` stage's codes plane with `codes=ctx` (kvtool/layouts/int_codes.py, the reference, documents
  * the format): a block's codes coded with order-1 tables whose context is the previous token's code of the
- * same channel, by a 4-state interleaved rANS coder (32-bit states, byte renormalisation, 12-bit
+ * same channel (rows equal to an earlier row of their head named in a repeat section instead), by a 4-state
+ * interleaved rANS coder (32-bit states, byte renormalisation, 12-bit
  * frequencies), or the packed codes where that is not smaller. Every choice the encoder makes (the
  * frequencies, the context bits) is integer arithmetic, so it writes the reference's bytes.
  *
@@ -10,14 +11,15 @@
 #include <stdlib.h>
 
 #include "kvn.h"
+#include "repeats.h"
 
 #define PROB_BITS 12
 #define TOTAL (1u << PROB_BITS)
 #define LOW (1u << 23)
 #define STATES 4
-#define HEADER 10
+#define HEADER 14
 
-enum { INTCODES_MODE = 1, INTCODES_LENGTHS = 2, INTCODES_MODEL = 3, INTCODES_STREAM = 4, INTCODES_TAIL = 5 };
+enum { INTCODES_MODE = 1, INTCODES_LENGTHS = 2, INTCODES_MODEL = 3, INTCODES_STREAM = 4, INTCODES_TAIL = 5, INTCODES_REPEATS = 6 };
 
 /* -log2(f / 4096) in 16-bit fixed point, f = 1..4096, as int_codes._costs computes it. */
 static uint32_t costs[TOTAL + 1];
@@ -127,13 +129,15 @@ static uint64_t build(const uint64_t *counts, int bits, int c, uint64_t *merged,
 }
 
 /* The rANS stream of the codes at dst (room for 16 + 2 * count bytes); returns its length. */
-static size_t rans_encode(const uint8_t *codes, size_t count, size_t tokens, size_t dim, int bits, int c,
-                          const uint32_t *freqs, const uint32_t *starts, uint8_t *dst, size_t room) {
+/* back (NULL: no repeats) holds per row (t, h) at t * heads + h how many tokens back its repeat is, 0 if coded. */
+static size_t rans_encode(const uint8_t *codes, size_t count, size_t heads, size_t tokens, size_t dim, int bits, int c,
+                          const uint32_t *back, const uint32_t *freqs, const uint32_t *starts, uint8_t *dst, size_t room) {
     size_t symbols = (size_t)1 << bits, start_ctx = (size_t)1 << c, at = room;
     int shift = bits - c;
     uint32_t x[STATES] = {LOW, LOW, LOW, LOW};
     for (size_t i = count; i-- > 0;) {
         size_t t = i / dim % tokens, k = t == 0 ? start_ctx : (size_t)(codes[i - dim] >> shift);
+        if (back && back[t * heads + i / dim / tokens]) continue;
         uint32_t f = freqs[k * symbols + codes[i]], top = f << (31 - PROB_BITS), *s = &x[i & (STATES - 1)];
         while (*s >= top) dst[--at] = (uint8_t)*s, *s >>= 8;
         *s = ((*s / f) << PROB_BITS) + *s % f + starts[k * symbols + codes[i]];
@@ -143,47 +147,72 @@ static size_t rans_encode(const uint8_t *codes, size_t count, size_t tokens, siz
     return room - at;
 }
 
+/* The full contexts' counts of the coded rows (all where back is NULL). */
+static void count_codes(const uint8_t *codes, size_t heads, size_t tokens, size_t dim, int bits, const uint32_t *back,
+                        uint64_t *counts) {
+    size_t symbols = (size_t)1 << bits;
+    memset(counts, 0, (symbols + 1) * symbols * sizeof(uint64_t));
+    for (size_t h = 0, i = 0; h < heads; h++)
+        for (size_t t = 0; t < tokens; t++, i += dim)
+            if (!back || !back[t * heads + h])
+                for (size_t d = 0; d < dim; d++) counts[(t == 0 ? symbols : codes[i + d - dim]) * symbols + codes[i + d]]++;
+}
+
 static int encode(const uint8_t *packed, size_t heads, size_t tokens, size_t dim, int bits, uint8_t *plane,
                   size_t plane_len) {
-    size_t count = heads * tokens * dim, used = (count * (size_t)bits + 7) / 8;
+    size_t count = heads * tokens * dim, used = (count * (size_t)bits + 7) / 8, rows = heads * tokens;
     memset(plane, 0, plane_len);
     memcpy(plane + 1, packed, used);
     if (count == 0) return KVN_OK;
-    size_t symbols = (size_t)1 << bits, contexts = symbols + 1, width = (symbols + 7) / 8;
+    size_t symbols = (size_t)1 << bits, contexts = symbols + 1, width = (symbols + 7) / 8, repeated = 0;
     size_t model_room = (contexts + 7) / 8 + contexts * (width + 2 * symbols), room = 16 + 2 * count;
+    size_t section_room = 4 + (rows + 7) / 8 + 5 * rows;
     uint8_t *codes = malloc(count), *model = malloc(model_room), *present = malloc(contexts), *stream = malloc(room);
-    uint64_t *counts = calloc(contexts * symbols, sizeof(uint64_t)), *merged = malloc(contexts * symbols * sizeof(uint64_t));
+    uint8_t *section = malloc(section_room);
+    uint64_t *counts = malloc(contexts * symbols * sizeof(uint64_t)), *merged = malloc(contexts * symbols * sizeof(uint64_t));
     uint32_t *freqs = malloc(contexts * symbols * sizeof(uint32_t)), *starts = malloc(contexts * symbols * sizeof(uint32_t));
-    int rc = codes && model && present && stream && counts && merged && freqs && starts ? KVN_OK : KVN_ERR_NOMEM;
+    uint32_t *back = malloc(rows * sizeof(uint32_t));
+    int rc = codes && model && present && stream && section && counts && merged && freqs && starts && back ? KVN_OK
+                                                                                                        : KVN_ERR_NOMEM;
     if (rc == KVN_OK) {
         unpack(packed, count, bits, codes);
-        for (size_t i = 0; i < count; i++) {
-            size_t k = i / dim % tokens == 0 ? symbols : codes[i - dim];
-            counts[k * symbols + codes[i]]++;
-        }
-        int best = 0;
+        kvn_block rows_of = {KVN_BF16, heads, tokens, dim, tokens * dim};
+        rc = kvn_find_repeats(&rows_of, codes, 1, back, &repeated);
+    }
+    if (rc == KVN_OK) {
+        /* the least estimated size, the first of equal ones: without repeats, then with; the smallest c first */
+        int best = 0, with_repeats = 0;
         uint64_t least = UINT64_MAX;
-        size_t model_len;
-        for (int c = 0; c <= bits; c++) {
-            uint64_t cost = build(counts, bits, c, merged, freqs, present, model, &model_len);
-            if (cost < least) least = cost, best = c;
+        size_t model_len, section_len = (size_t)(kvn_write_repeats(section, back, rows) - section);
+        for (int r = 0; r <= (repeated > 0); r++) {
+            count_codes(codes, heads, tokens, dim, bits, r ? back : NULL, counts);
+            for (int c = 0; c <= bits; c++) {
+                uint64_t cost = build(counts, bits, c, merged, freqs, present, model, &model_len);
+                cost += (uint64_t)(r ? section_len : 4) * 8 << 16;
+                if (cost < least) least = cost, best = c, with_repeats = r;
+            }
         }
+        count_codes(codes, heads, tokens, dim, bits, with_repeats ? back : NULL, counts);
         build(counts, bits, best, merged, freqs, present, model, &model_len);
         size_t used_contexts = ((size_t)1 << best) + 1;
         for (size_t k = 0; k < used_contexts; k++)
             for (size_t s = 0, at = 0; s < symbols; s++) starts[k * symbols + s] = (uint32_t)at, at += freqs[k * symbols + s];
-        size_t stream_len = rans_encode(codes, count, tokens, dim, bits, best, freqs, starts, stream, room);
-        if (HEADER + model_len + stream_len < 1 + used) {
+        size_t stream_len = rans_encode(codes, count, heads, tokens, dim, bits, best, with_repeats ? back : NULL, freqs,
+                                        starts, stream, room);
+        if (!with_repeats) section_len = 4, memset(section, 0, 4);
+        if (10 + section_len + model_len + stream_len < 1 + used) {
             memset(plane, 0, plane_len);
             plane[0] = 1;
             plane[1] = (uint8_t)best;
             kvn_wr32(plane + 2, (uint32_t)model_len);
             kvn_wr32(plane + 6, (uint32_t)stream_len);
-            memcpy(plane + HEADER, model, model_len);
-            memcpy(plane + HEADER + model_len, stream, stream_len);
+            memcpy(plane + 10, section, section_len);
+            memcpy(plane + 10 + section_len, model, model_len);
+            memcpy(plane + 10 + section_len + model_len, stream, stream_len);
         }
     }
-    free(codes), free(model), free(present), free(stream), free(counts), free(merged), free(freqs), free(starts);
+    free(codes), free(model), free(present), free(stream), free(section), free(counts), free(merged), free(freqs);
+    free(starts), free(back);
     return rc;
 }
 
@@ -225,7 +254,7 @@ static int read_model(const uint8_t *p, size_t len, int bits, int c, uint32_t *f
 }
 
 static int rans_decode(const uint8_t *p, size_t len, size_t heads, size_t tokens, size_t dim, int bits, int c,
-                       const uint32_t *freqs, const uint8_t *present, uint8_t *codes) {
+                       const uint32_t *freqs, const uint8_t *present, const uint32_t *back, uint8_t *codes) {
     size_t symbols = (size_t)1 << bits, contexts = ((size_t)1 << c) + 1, start_ctx = (size_t)1 << c;
     if (len < 4 * STATES) return INTCODES_STREAM;
     uint32_t x[STATES];
@@ -246,7 +275,12 @@ static int rans_decode(const uint8_t *p, size_t len, size_t heads, size_t tokens
     int shift = bits - c, rc = 0;
     size_t at = 4 * STATES, i = 0;
     for (size_t h = 0; h < heads && !rc; h++)
-        for (size_t t = 0; t < tokens && !rc; t++)
+        for (size_t t = 0; t < tokens && !rc; t++) {
+            if (back[t * heads + h]) {  /* checked: at most t */
+                memcpy(codes + i, codes + i - back[t * heads + h] * dim, dim);
+                i += dim;
+                continue;
+            }
             for (size_t d = 0; d < dim; d++, i++) {
                 size_t k = t == 0 ? start_ctx : (size_t)(codes[i - dim] >> shift);
                 if (!present[k]) { rc = INTCODES_STREAM; break; }
@@ -260,6 +294,7 @@ static int rans_decode(const uint8_t *p, size_t len, size_t heads, size_t tokens
                 if (rc) break;
                 codes[i] = sym;
             }
+        }
     free(slots), free(starts);
     if (rc) return rc;
     for (int j = 0; j < STATES; j++)
@@ -280,19 +315,24 @@ static int decode(const uint8_t *plane, size_t plane_len, size_t heads, size_t t
     } else {
         if (plane_len < HEADER) return INTCODES_LENGTHS;
         int c = plane[1];
-        size_t model_len = kvn_rd32(plane + 2), stream_len = kvn_rd32(plane + 6);
-        end = HEADER + model_len + stream_len;
+        size_t model_len = kvn_rd32(plane + 2), stream_len = kvn_rd32(plane + 6), section_len = kvn_rd32(plane + 10);
+        size_t model_at = HEADER + section_len, rows = heads * tokens, repeated;
+        end = model_at + model_len + stream_len;
         if (c > bits) return INTCODES_MODEL;
         if (end > plane_len) return INTCODES_LENGTHS;
         size_t contexts = ((size_t)1 << c) + 1, symbols = (size_t)1 << bits;
-        uint32_t *freqs = malloc(contexts * symbols * sizeof(uint32_t));
+        uint32_t *freqs = malloc(contexts * symbols * sizeof(uint32_t)), *back = calloc(rows ? rows : 1, sizeof(uint32_t));
         uint8_t *present = malloc(contexts), *codes = malloc(count ? count : 1);
-        int rc = freqs && present && codes ? 0 : -KVN_ERR_NOMEM;
-        if (!rc) rc = read_model(plane + HEADER, model_len, bits, c, freqs, present);
+        int rc = freqs && back && present && codes ? 0 : -KVN_ERR_NOMEM;
+        if (!rc && section_len && kvn_read_repeats(plane + HEADER, section_len, rows, back, &repeated)) rc = INTCODES_REPEATS;
+        for (size_t r = 0; !rc && r < rows; r++)
+            if (back[r] > r / heads) rc = INTCODES_REPEATS;  /* row r is token r / heads */
+        if (!rc) rc = read_model(plane + model_at, model_len, bits, c, freqs, present);
         if (!rc)
-            rc = rans_decode(plane + HEADER + model_len, stream_len, heads, tokens, dim, bits, c, freqs, present, codes);
+            rc = rans_decode(plane + model_at + model_len, stream_len, heads, tokens, dim, bits, c, freqs, present, back,
+                             codes);
         if (!rc) pack(codes, count, bits, packed);
-        free(freqs), free(present), free(codes);
+        free(freqs), free(back), free(present), free(codes);
         if (rc) return rc;
     }
     for (size_t i = end; i < plane_len; i++)

@@ -16,6 +16,12 @@ plane of ``codes=ctx`` is one byte longer than the packed plane, and holds:
     the code at ``(h, t - 1, d)`` shifted right by ``bits - c``, or for
     ``t = 0`` the start context ``2**c``; so there are ``2**c + 1`` contexts.
 ``model length``, ``stream length`` (u32 each, mode 1)
+``repeats`` (mode 1)
+    a u32 length, 0 where no row repeats, then the repeat section of the
+    ctxans chunk: a bitmap of the ``tokens * heads`` rows in (token, head)
+    order (bit ``i % 8`` of byte ``i // 8``), then for each repeated row its
+    distance minus 1 as a LEB128 varint. A repeated row ``(h, t)`` is the row
+    ``(h, t - distance)``, at most ``t`` back, and is not coded.
 ``model``
     a bitmap of the contexts that occur (bit ``k % 8`` of byte ``k // 8``),
     then per such context a bitmap of the ``2**bits`` symbols that occur in
@@ -23,16 +29,20 @@ plane of ``codes=ctx`` is one byte longer than the packed plane, and holds:
     all but the last (which is ``2**12`` less the others).
 ``stream``
     four u32 rANS states (32-bit states in ``[2**23, 2**31)``, byte-wise
-    renormalisation, 12-bit frequencies); code ``i`` is coded with state
-    ``i % 4``; the encoder runs from the last code to the first, and the
-    bytes it emits follow the states in the order the decoder reads them.
-    A decoder ends with every state at ``2**23`` and every byte read.
+    renormalisation, 12-bit frequencies); the code at position ``i`` of the
+    block (C order) is coded with state ``i % 4``; the encoder runs from the
+    last coded code to the first, and the bytes it emits follow the states
+    in the order the decoder reads them. A decoder ends with every state at
+    ``2**23`` and every byte read.
 
-The encoder counts each context's codes, normalises the counts (floor of
-``count * 4096 / total``, at least 1, the remainder added to the most frequent
-code or taken from the largest frequencies), and picks ``c`` with the least
-estimated size (model bytes plus the codes' fixed-point ``-log2`` cost; ties
-go to the smaller ``c``). All of it is integer arithmetic, so the C core
+A repeated row is one equal to an earlier row of its head (the nearest is
+named). The encoder counts each context's codes, normalises the counts (floor
+of ``count * 4096 / total``, at least 1, the remainder added to the most
+frequent code or taken from the largest frequencies, first ones first), and
+picks ``c`` and whether to name repeats by the least estimated size (repeat
+section, model bytes and the codes' fixed-point ``-log2`` cost; ties go to no
+repeats, then the smaller ``c``), then codes only where the result is shorter
+than mode 0. All of it is integer arithmetic, so the C core
 (intcodes.c) writes the same bytes; this module is the reference.
 """
 
@@ -44,12 +54,13 @@ import numpy as np
 
 from kvtool import _native
 from kvtool.errors import DecodeError, UsageError
+from kvtool.modeldict.ctxans_reference import _read_repeats, repeat_section, repeated_rows
 
 PROB_BITS = 12
 TOTAL = 1 << PROB_BITS
 LOW = 1 << 23  # the least rANS state
 STATES = 4
-HEADER = 10  # mode, context bits, model length, stream length
+HEADER = 14  # mode, context bits, model length, stream length, repeat section length
 #: The reasons the C core gives a plane it refuses (its status), in the reference's words.
 REASONS = {
     1: "unknown mode",
@@ -57,6 +68,7 @@ REASONS = {
     3: "a malformed model",
     4: "a malformed stream",
     5: "bytes after its end",
+    6: "a malformed repeat section",
 }
 
 
@@ -104,14 +116,23 @@ def reference_encode(packed: np.ndarray, shape: tuple[int, ...], bits: int, size
     if count == 0:
         return plane
     codes = unpack(packed, count, bits).reshape(shape).astype(np.int64)
-    counts = _counts(codes, bits)  # [contexts (full), symbols]
-    # the least estimated size; min keeps the first, the smallest c, of equal ones
-    _, c, freqs, model = min((_candidate(counts, bits, c) for c in range(bits + 1)), key=lambda candidate: candidate[0])
-    stream = _rans_encode(codes, bits, c, freqs)
-    if HEADER + len(model) + len(stream) < 1 + used:
+    back = repeated_rows(codes.astype(np.uint8))  # [tokens, heads]
+    options = [(np.ones_like(back, bool), b"\0\0\0\0")]  # (the rows coded, the repeat section)
+    if back.any():
+        options.append((back == 0, repeat_section(back, back == 0)[1]))
+    candidates = []
+    for coded_rows, section in options:
+        counts = _counts(codes, bits, coded_rows.T)  # [contexts (full), symbols]
+        for c in range(bits + 1):
+            cost, model, freqs = _candidate(counts, bits, c)
+            candidates.append((cost + (len(section) * 8 << 16), c, freqs, model, coded_rows, section))
+    # the least estimated size; min keeps the first of equal ones: no repeats, then the smallest c
+    _, c, freqs, model, coded_rows, section = min(candidates, key=lambda candidate: candidate[0])
+    stream = _rans_encode(codes, bits, c, freqs, coded_rows.T)
+    if 10 + len(section) + len(model) + len(stream) < 1 + used:
         plane[:] = 0
         header = bytes([1, c]) + len(model).to_bytes(4, "little") + len(stream).to_bytes(4, "little")
-        coded = np.frombuffer(header + model + stream, np.uint8)
+        coded = np.frombuffer(header + section + model + stream, np.uint8)
         plane[: coded.size] = coded
     return plane
 
@@ -134,12 +155,21 @@ def reference_decode(plane: np.ndarray, shape: tuple[int, ...], bits: int) -> np
         if len(data) < HEADER:
             raise DecodeError(f"int codes plane: {REASONS[2]}")
         c = data[1]
-        model_len, stream_len = int.from_bytes(data[2:6], "little"), int.from_bytes(data[6:10], "little")
-        end = HEADER + model_len + stream_len
+        model_len, stream_len, section_len = (int.from_bytes(data[at : at + 4], "little") for at in (2, 6, 10))
+        model_at = HEADER + section_len
+        end = model_at + model_len + stream_len
         if c > bits or end > len(data):
             raise DecodeError(f"int codes plane: {REASONS[2] if c <= bits else REASONS[3]}")
-        freqs = _read_model(data[HEADER : HEADER + model_len], bits, c)
-        codes = _rans_decode(data[HEADER + model_len : end], shape, bits, c, freqs)
+        back = np.zeros((tokens, heads), np.int64)
+        if section_len:
+            try:
+                back = _read_repeats(data[HEADER:model_at], tokens, heads, "repeats")
+            except DecodeError as exc:
+                raise DecodeError(f"int codes plane: {REASONS[6]} ({exc})") from None
+            if (back > np.arange(tokens)[:, None]).any():
+                raise DecodeError(f"int codes plane: {REASONS[6]} (a row repeats one before the block)")
+        freqs = _read_model(data[model_at : model_at + model_len], bits, c)
+        codes = _rans_decode(data[model_at + model_len : end], shape, bits, c, freqs, back.T.tolist())
         packed = pack(codes, bits)
     if any(data[end:]):
         raise DecodeError(f"int codes plane: {REASONS[5]}")
@@ -167,10 +197,11 @@ def _contexts(codes: np.ndarray, bits: int, c: int) -> np.ndarray:
     return ctx
 
 
-def _counts(codes: np.ndarray, bits: int) -> np.ndarray:
+def _counts(codes: np.ndarray, bits: int, coded_rows: np.ndarray) -> np.ndarray:
+    """``[contexts, symbols]`` counts of the codes in the rows coded (``[heads, tokens]``), full contexts."""
     symbols = 1 << bits
-    ctx = _contexts(codes, bits, bits)
-    return np.bincount((ctx * symbols + codes).reshape(-1), minlength=(symbols + 1) * symbols).reshape(symbols + 1, symbols)
+    index = (_contexts(codes, bits, bits) * symbols + codes)[coded_rows]
+    return np.bincount(index.reshape(-1), minlength=(symbols + 1) * symbols).reshape(symbols + 1, symbols)
 
 
 def _merged(counts: np.ndarray, bits: int, c: int) -> np.ndarray:
@@ -180,14 +211,14 @@ def _merged(counts: np.ndarray, bits: int, c: int) -> np.ndarray:
     return np.concatenate([body, counts[symbols:]])
 
 
-def _candidate(counts: np.ndarray, bits: int, c: int) -> tuple[int, int, list[list[int] | None], bytes]:
-    """``(estimated size in 2**-16 bits, c, frequencies, model)`` of context bits ``c``."""
+def _candidate(counts: np.ndarray, bits: int, c: int) -> tuple[int, bytes, list[list[int] | None]]:
+    """``(estimated size in 2**-16 bits, model, frequencies)`` of context bits ``c``."""
     merged = _merged(counts, bits, c)
     freqs = [_normalise(row) for row in merged]
     model = _model(freqs, bits)
     table = np.array([row or [0] * (1 << bits) for row in freqs], np.int64)
     cost = int((merged.astype(np.int64) * np.array(_costs(), np.int64)[table]).sum())
-    return cost + (len(model) * 8 << 16), c, freqs, model
+    return cost + (len(model) * 8 << 16), model, freqs
 
 
 def _normalise(row: np.ndarray) -> list[int] | None:
@@ -281,7 +312,8 @@ def _starts(row: list[int]) -> list[int]:
     return out
 
 
-def _rans_encode(codes: np.ndarray, bits: int, c: int, freqs: list[list[int] | None]) -> bytes:
+def _rans_encode(codes: np.ndarray, bits: int, c: int, freqs: list[list[int] | None], coded_rows: np.ndarray) -> bytes:
+    """The stream of the codes in the rows coded (``[heads, tokens]``); code ``i`` (in the block) takes state ``i % 4``."""
     symbols = 1 << bits
     table_f = np.zeros(len(freqs) * symbols, np.int64)
     table_c = np.zeros_like(table_f)
@@ -289,24 +321,26 @@ def _rans_encode(codes: np.ndarray, bits: int, c: int, freqs: list[list[int] | N
         if row is not None:
             table_f[k * symbols : (k + 1) * symbols] = row
             table_c[k * symbols : (k + 1) * symbols] = _starts(row)
-    index = (_contexts(codes, bits, c) * symbols + codes).reshape(-1)
+    positions = np.flatnonzero(np.broadcast_to(coded_rows[:, :, None], codes.shape))
+    index = (_contexts(codes, bits, c) * symbols + codes).reshape(-1)[positions]
     fs, cs = table_f[index].tolist(), table_c[index].tolist()
     states = [LOW] * STATES
     out = bytearray()
-    for i in range(len(fs) - 1, -1, -1):
+    for i, f, start in zip(reversed(positions.tolist()), reversed(fs), reversed(cs)):
         j = i & (STATES - 1)
-        x, f = states[j], fs[i]
+        x = states[j]
         top = f << (31 - PROB_BITS)
         while x >= top:
             out.append(x & 0xFF)
             x >>= 8
-        states[j] = ((x // f) << PROB_BITS) + x % f + cs[i]
+        states[j] = ((x // f) << PROB_BITS) + x % f + start
     out.reverse()
     return b"".join(x.to_bytes(4, "little") for x in states) + bytes(out)
 
 
-def _rans_decode(stream: bytes, shape: tuple[int, ...], bits: int, c: int,
-                 freqs: list[list[int] | None]) -> np.ndarray:
+def _rans_decode(stream: bytes, shape: tuple[int, ...], bits: int, c: int, freqs: list[list[int] | None],
+                 back: list[list[int]]) -> np.ndarray:
+    """The codes; a row ``(h, t)`` with ``back[h][t]`` set is the row that many tokens before, not coded."""
     bad = DecodeError(f"int codes plane: {REASONS[4]}")
     heads, tokens, dim = shape
     if len(stream) < 4 * STATES:
@@ -322,8 +356,12 @@ def _rans_decode(stream: bytes, shape: tuple[int, ...], bits: int, c: int,
     shift, start_ctx, mask = bits - c, 1 << c, TOTAL - 1
     out = [0] * (heads * tokens * dim)
     at, i = 4 * STATES, 0
-    for _ in range(heads):
+    for h in range(heads):
         for t in range(tokens):
+            if back[h][t]:
+                out[i : i + dim] = out[i - back[h][t] * dim : i - back[h][t] * dim + dim]
+                i += dim
+                continue
             for _ in range(dim):
                 k = start_ctx if t == 0 else out[i - dim] >> shift
                 row, table = freqs[k], slots[k]
