@@ -3,6 +3,9 @@ bytes on real samples, round trips of awkward arrays, the packed fallback, and d
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +17,9 @@ from kvtool.layouts import get_layout
 from kvtool.layouts import int_codes as ic
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.int_quant import IntQuant
+
+sys.path.insert(0, str(Path(__file__).parent / "golden"))
+from make_golden import LOSSY_RECIPES, chunk_tokens, golden_cache
 
 needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
 
@@ -280,3 +286,11 @@ def test_the_approximation_is_the_packed_recipes(samples, recipe):
     packed_blob, coded_blob = encode_cache(cache, recipe, chunk_tokens=128), encode_cache(cache, coded, chunk_tokens=128)
     assert decode_cache(coded_blob).equal_bits(decode_cache(packed_blob))
     assert len(coded_blob) < len(packed_blob)
+
+
+def test_the_golden_file_pins_coded_planes():
+    """Its recipe codes every block of the golden cache (mode 1), so the file holds the coded format, not the fallback."""
+    layout = get_layout(LOSSY_RECIPES["lossy-int3-ctx"].partition("|")[0])
+    assert chunk_tokens("lossy-int3-ctx") == 12
+    for _, kind, array in golden_cache().tensors():
+        assert layout.for_kind(kind).forward_plane(np.ascontiguousarray(array))[0][0] == 1
