@@ -253,6 +253,14 @@ static int read_model(const uint8_t *p, size_t len, int bits, int c, uint32_t *f
     return at == len ? 0 : INTCODES_MODEL;
 }
 
+/* One decoding step of state *x with a slot entry (symbol | (frequency - 1) << 8 | (slot - start) << 20);
+ * returns the symbol. The caller renormalises. */
+static inline uint8_t rans_step(uint32_t *x, const uint32_t *table) {
+    uint32_t e = table[*x & (TOTAL - 1)];
+    *x = ((e >> 8 & (TOTAL - 1)) + 1) * (*x >> PROB_BITS) + (e >> 20);
+    return (uint8_t)e;
+}
+
 static int rans_decode(const uint8_t *p, size_t len, size_t heads, size_t tokens, size_t dim, int bits, int c,
                        const uint32_t *freqs, const uint8_t *present, const uint32_t *back, uint8_t *codes) {
     size_t symbols = (size_t)1 << bits, contexts = ((size_t)1 << c) + 1, start_ctx = (size_t)1 << c;
@@ -260,42 +268,63 @@ static int rans_decode(const uint8_t *p, size_t len, size_t heads, size_t tokens
     uint32_t x[STATES];
     for (int j = 0; j < STATES; j++)
         if ((x[j] = kvn_rd32(p + 4 * j)) < LOW || x[j] >= (LOW << 8)) return INTCODES_STREAM;
-    uint8_t *slots = malloc(contexts * TOTAL);
-    uint32_t *starts = malloc(contexts * symbols * sizeof(uint32_t));
-    if (!slots || !starts) {
-        free(slots), free(starts);
-        return -KVN_ERR_NOMEM;
+    uint32_t *slots = malloc(contexts * TOTAL * sizeof(uint32_t));  /* per context, per slot: rans_step's entry */
+    if (!slots) return -KVN_ERR_NOMEM;
+    for (size_t k = 0; k < contexts; k++) {
+        if (!present[k]) memset(slots + k * TOTAL, 0, TOTAL * sizeof(uint32_t));  /* read, never used: rows using it fail */
+        for (uint32_t s = 0, at = 0; present[k] && s < symbols; s++)
+            for (uint32_t f = freqs[k * symbols + s], u = 0; u < f; u++, at++)
+                slots[k * TOTAL + at] = s | (f - 1) << 8 | u << 20;
     }
-    for (size_t k = 0; k < contexts; k++)
-        for (size_t s = 0, at = 0; present[k] && s < symbols; s++) {
-            starts[k * symbols + s] = (uint32_t)at;
-            memset(slots + k * TOTAL + at, (int)s, freqs[k * symbols + s]);
-            at += freqs[k * symbols + s];
-        }
     int shift = bits - c, rc = 0;
     size_t at = 4 * STATES, i = 0;
     for (size_t h = 0; h < heads && !rc; h++)
-        for (size_t t = 0; t < tokens && !rc; t++) {
+        for (size_t t = 0; t < tokens && !rc; t++, i += dim) {
             if (back[t * heads + h]) {  /* checked: at most t */
                 memcpy(codes + i, codes + i - back[t * heads + h] * dim, dim);
-                i += dim;
                 continue;
             }
-            for (size_t d = 0; d < dim; d++, i++) {
-                size_t k = t == 0 ? start_ctx : (size_t)(codes[i - dim] >> shift);
+            const uint8_t *above = codes + i - dim;  /* the previous token's row, for t > 0 */
+            int fast = len - at >= 2 * dim;  /* a step reads at most 2 bytes: no bounds checks in this row */
+            if (fast && dim % STATES == 0) {  /* the row starts with state 0: the four states in registers */
+                uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3], absent = 0;
+#define STEP(X, D)                                                                  \
+    do {                                                                            \
+        size_t k = t == 0 ? start_ctx : (size_t)(above[D] >> shift);               \
+        absent |= !present[k];                                                      \
+        codes[i + (D)] = rans_step(&X, slots + k * TOTAL);                         \
+        if (X < LOW) X = X << 8 | p[at++];                                          \
+        if (X < LOW) X = X << 8 | p[at++];                                          \
+    } while (0)
+                for (size_t d = 0; d < dim; d += STATES) {
+                    STEP(x0, d);
+                    STEP(x1, d + 1);
+                    STEP(x2, d + 2);
+                    STEP(x3, d + 3);
+                }
+#undef STEP
+                x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3;
+                if (absent) rc = INTCODES_STREAM;
+                continue;
+            }
+            for (size_t d = 0; d < dim; d++) {
+                size_t k = t == 0 ? start_ctx : (size_t)(above[d] >> shift);
                 if (!present[k]) { rc = INTCODES_STREAM; break; }
-                uint32_t *s = &x[i & (STATES - 1)], slot = *s & (TOTAL - 1);
-                uint8_t sym = slots[k * TOTAL + slot];
-                *s = freqs[k * symbols + sym] * (*s >> PROB_BITS) + slot - starts[k * symbols + sym];
+                uint32_t *s = &x[(i + d) & (STATES - 1)];
+                codes[i + d] = rans_step(s, slots + k * TOTAL);
+                if (fast) {
+                    if (*s < LOW) *s = *s << 8 | p[at++];
+                    if (*s < LOW) *s = *s << 8 | p[at++];
+                    continue;
+                }
                 while (*s < LOW) {
                     if (at >= len) { rc = INTCODES_STREAM; break; }
                     *s = *s << 8 | p[at++];
                 }
                 if (rc) break;
-                codes[i] = sym;
             }
         }
-    free(slots), free(starts);
+    free(slots);
     if (rc) return rc;
     for (int j = 0; j < STATES; j++)
         if (x[j] != LOW) return INTCODES_STREAM;
