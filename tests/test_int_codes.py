@@ -220,6 +220,19 @@ def test_truncated_and_damaged_streams():
         assert "malformed" in refused(bad, shape, bits)
 
 
+def test_any_flipped_bit_is_refused():
+    """Without a repeat section every byte of a coded plane is checked (header, model, stream, zero tail): one
+    flipped bit anywhere is a DecodeError in both decoders. (A repeat distance flipped to another earlier row, or a
+    flipped packed code in mode 0, decodes to other codes: the container's chunk checksums catch those, as they do
+    for the packed plane.)"""
+    plane, shape, bits = coded_plane()
+    rng = np.random.default_rng(6)
+    for at in rng.integers(0, plane.size, 200):
+        bad = plane.copy()
+        bad[at] ^= 1 << int(rng.integers(0, 8))
+        refused(bad, shape, bits)
+
+
 def repeating_codes() -> np.ndarray:
     """Rows that repeat one token back and further back, as layer 0's values do (they depend on the token alone)."""
     rng = np.random.default_rng(5)
