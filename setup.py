@@ -11,8 +11,8 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = [
     "_core.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "ctxans_model.c", "ctxans_encode.c", "ctxans_decode.c",
-    "ctxans_simd.c", "ctxans_py.c", "intquant.c", "intquant_batch.c", "lossy_stats.c", "outliers.c", "ctxtans.c",
-    "ctxtans_encode.c", "ctxtans_py.c", "model_py.c", "repeats.c",
+    "ctxans_simd.c", "ctxans_py.c", "intquant.c", "intquant_batch.c", "lossy_stats.c", "outliers.c", "intcodes.c",
+    "ctxtans.c", "ctxtans_encode.c", "ctxtans_py.c", "model_py.c", "repeats.c",
 ]
 
 

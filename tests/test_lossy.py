@@ -30,12 +30,14 @@ from kvtool.testing.lossy import LossyLayoutTests, assert_within_bound
 LOSSY_LAYOUTS = [
     "mant-round:3", "mant-round:0", "mant-round:12", "fp8:e4m3", "fp8:e5m2,group=7",
     "int:4", "int:8,group=64", "int:1,group=5", "int:3,k=token,v=channel,group=48",
-    "int:4,group=64,kbits=6,vbits=3,layers=k1:8+v0:2",
+    "int:4,group=64,kbits=6,vbits=3,layers=k1:8+v0:2", "int:3,group=64,codes=ctx",
+    "int:4,group=64,kbits=6,layers=k1:8+v0:2,codes=ctx",
 ]
 LOSSY_RECIPES = [
     "mant-round:4|byteplane|zstd:3", "fp8:e4m3|exphuff", "fp8:e5m2,group=64|byteplane|zstd:1",
     "int:4|zstd:3", "int:6,group=64|channel-major|zstd:1,scales=none",
     "int:4,group=64,kbits=6,layers=k1:8+v14:2|zstd:3", "outliers:0.01|int:3,group=128|zstd:3,outlier.val=none",
+    "int:3,group=64,codes=ctx|zstd:3", "int:4,group=64,kbits=6,layers=k1:8+v14:2,codes=ctx|zstd:3",
 ]
 
 
@@ -200,6 +202,13 @@ def test_lossy_recipes_through_the_container(small, recipe):
         error = approx.astype(np.float64) - original.astype(np.float64)
         assert errors[(layer, kind)]["max_abs"] == pytest.approx(np.abs(error).max(), rel=1e-5)
         assert errors[(layer, kind)]["rms"] == pytest.approx(np.sqrt(np.mean(error ** 2)), rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [r for r in LOSSY_RECIPES if "codes=ctx" in r])
+def test_coded_int_codes_store_the_packed_recipes_approximation(small, recipe):
+    """codes=ctx changes how the codes are stored, not which: the restored arrays are codes=packed's, byte for byte."""
+    coded = decode_cache(encode_cache(small, recipe, chunk_tokens=128))
+    assert coded.equal_bits(decode_cache(encode_cache(small, recipe.replace(",codes=ctx", ""), chunk_tokens=128)))
 
 
 @pytest.mark.parametrize("stage, lossless", [("mant-round:4", "byteplane|zstd:3"), ("fp8:e4m3", "zstd:3")])

@@ -4,11 +4,15 @@ real samples, for every option of the stage and every destination; damage refuse
 from __future__ import annotations
 
 import mmap
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
+import zstandard
 
 from kvtool import _native
 from kvtool._native.int_batch import Declined, IntBatchCodec, error_stats, int_jobs
@@ -36,6 +40,8 @@ RECIPES = [
     "int:7,k=token,v=token,group=300|zstd:3",
     "int:2,kbits=6,vbits=3|zstd:3",
     "int:4,group=64,kbits=5,layers=k0:8+k3:6+v5:1+v7:2|zstd:3",
+    "int:3,group=64,codes=ctx|zstd:3",
+    "int:4,group=64,kbits=5,layers=k0:8+k3:6+v5:1+v7:2,codes=ctx|zstd:3",
 ]
 
 
@@ -102,7 +108,8 @@ def test_other_recipes_keep_their_path(samples, recipe):
 
 
 @needs_core
-@pytest.mark.parametrize("recipe", ["int:6,group=64|zstd:3", "int:3,k=token,v=channel,group=50|zstd:3"])
+@pytest.mark.parametrize("recipe", ["int:6,group=64|zstd:3", "int:3,k=token,v=channel,group=50|zstd:3",
+                                    "int:3,group=64,codes=ctx|zstd:3"])
 def test_rows_and_blocks_are_what_a_read_restores(samples, recipe):
     """Paged rows (some left out, at random places) and streamed blocks: the bytes of ``read``."""
     cache = KVCache.load(samples[1], layers=[0, 5, 9], tokens=slice(0, 120))
@@ -179,9 +186,10 @@ def refusal(read) -> tuple[type, int | None]:
 
 @needs_core
 @pytest.mark.parametrize("plane", ["codes", "scales", "raw"])
-def test_damage_is_refused_as_the_per_chunk_path_refuses_it(samples, plane):
+@pytest.mark.parametrize("recipe", ["int:6,group=64|zstd:3", "int:3,group=64,codes=ctx|zstd:3"])
+def test_damage_is_refused_as_the_per_chunk_path_refuses_it(samples, plane, recipe):
     cache = KVCache.load(samples[0], layers=[0, 1, 2], tokens=slice(0, 96))
-    blob = encode_cache(cache, "int:6,group=64|zstd:3", chunk_tokens=32)
+    blob = encode_cache(cache, recipe, chunk_tokens=32)
     index = KvzReader.from_bytes(blob).index
     raw = (index["flags"] & FLAG_STORED_RAW) != 0
     rows = {"codes": np.flatnonzero((index["plane"] == 0) & ~raw), "scales": np.flatnonzero(index["plane"] == 1),
@@ -259,3 +267,24 @@ def test_error_statistics_are_numpys_bits(samples):
         error = approx.astype(np.float64) - values
         numpy = (float(np.abs(error).max(initial=0.0)), float(np.square(error).sum()), float(np.square(values).sum()))
         assert error_stats(exact, approx) == numpy
+
+
+@needs_core
+def test_a_coded_codes_plane_with_good_checksums_but_bad_content_is_refused_as_per_chunk(samples):
+    """``codes=ctx``: a crafted file whose first coded codes plane has no valid mode, every checksum made anew."""
+    sys.path.insert(0, str(Path(__file__).with_name("fuzz")))
+    from forge import assemble, dissect
+
+    cache = KVCache.load(samples[0], layers=[0, 1], tokens=slice(0, 64))
+    parts = dissect(encode_cache(cache, "int:3,group=64,codes=ctx|zstd:3", chunk_tokens=32))
+    stored_raw = bool(parts.index[0]["flags"] & FLAG_STORED_RAW)  # coded codes seldom shrink under zstd
+    assert parts.index[0]["plane"] == 0
+    raw = bytearray(parts.chunks[0] if stored_raw else zstandard.ZstdDecompressor().decompress(parts.chunks[0]))
+    assert raw[0] == 1  # coded
+    raw[0] = 7  # no such mode
+    parts.chunks[0] = bytes(raw) if stored_raw else zstandard.ZstdCompressor(level=3).compress(bytes(raw))
+    parts.index[0]["raw_xxh3"] = xxhash.xxh3_64_intdigest(bytes(raw))
+    blob = assemble(parts)
+    assert isinstance(KvzReader.from_bytes(blob)._pipeline, IntBatch)
+    batch = refusal(lambda: KvzReader.from_bytes(blob).read())
+    assert batch == refusal(lambda: per_chunk(blob).read()) == (KvzCorruptError, 0)

@@ -455,6 +455,9 @@ PyObject *kvn_py_outliers_merge(PyObject *self, PyObject *args);
 PyObject *kvn_py_int_decode_blocks(PyObject *self, PyObject *args);
 PyObject *kvn_py_error_stats(PyObject *self, PyObject *args);
 int kvn_py_intquant_add_constants(PyObject *module);
+/* The int stage's coded codes plane (codes=ctx) lives in intcodes.c. */
+PyObject *kvn_py_int_codes_encode(PyObject *self, PyObject *args);
+PyObject *kvn_py_int_codes_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
@@ -474,6 +477,8 @@ static PyMethodDef methods[] = {
     {"outliers_merge", kvn_py_outliers_merge, METH_VARARGS, "Write a block's outliers back into it; returns a status."},
     {"int_decode_blocks", kvn_py_int_decode_blocks, METH_VARARGS, "Restore a batch of int-stage blocks into given rows: (status, failed job)."},
     {"error_stats", kvn_py_error_stats, METH_VARARGS, "A lossy block's (max abs error, squared errors, squared values), as numpy sums them."},
+    {"int_codes_encode", kvn_py_int_codes_encode, METH_VARARGS, "Code one block's packed int codes as a codes=ctx plane; returns a status."},
+    {"int_codes_decode", kvn_py_int_codes_decode, METH_VARARGS, "The packed int codes a codes=ctx plane holds; returns 0 or why it is refused."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };

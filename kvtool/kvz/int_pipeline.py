@@ -6,7 +6,9 @@ checked and its zstd frame decompressed (both release the GIL), then the core
 straight into the destination, its rows computed here for each kind of
 destination. The checks, their order and their messages are the per-chunk
 path's; a run holding a block the core declines (non-finite scales, only in
-crafted files) is decoded per chunk, by the numpy reference, as before.
+crafted files) is decoded per chunk, by the numpy reference, as before. With
+``codes=ctx`` each block's raw planes are checked here and its coded codes
+decoded back to packed codes (``int_codes``, in C) before the core's call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvtool.kvz.format import FLAG_STORED_RAW, KvzCorruptError
 from kvtool.kvz.header import KvzHeader
 from kvtool.kvz.pipeline import Blocks, Destination, Each, PerChunk, Tensors
 from kvtool.kvz.sources import READ_RUN
+from kvtool.layouts import int_codes
 
 
 class IntBatch(PerChunk):
@@ -38,6 +41,7 @@ class IntBatch(PerChunk):
         self._channel = np.array([stage.axis == "channel" for stage in stages], np.uint8)
         specs = header.planes_for(min(header.chunk_tokens, header.num_tokens)) if header.num_tokens else ()
         self._codecs = [header.recipe.codec_for(spec.name) for spec in specs]  # codes' and scales'
+        self._coded = header.recipe.layouts[0].codes == "ctx"  # the codes plane holds coded codes, not packed ones
 
     def _decode_run(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks, lo: int,
                     destination: Destination) -> None:
@@ -99,7 +103,26 @@ class IntBatch(PerChunk):
         jobs["groups_per_head"] = [h.planes_for(n)[1].shape[1] for n in tokens.tolist()]
         jobs["bits"], jobs["channel_axis"] = self._bits[tensor], self._channel[tensor]
         jobs["flags"] = np.where(raw[0::2], 0, VERIFY_CODES) | np.where(raw[1::2], 0, VERIFY_SCALES)
+        if self._coded:
+            self._decode_codes(jobs, planes, records, entries)
         return jobs, planes
+
+    def _decode_codes(self, jobs: np.ndarray, planes: list[Buffer], records: np.ndarray, entries: np.ndarray) -> None:
+        """``codes=ctx``: each block's raw planes checked, as the core would, then its codes plane replaced by the
+        packed codes it holds, which the core then reads as a ``packed`` recipe's."""
+        h = self.header
+        for i in range(len(jobs)):
+            for k, flag in ((0, VERIFY_CODES), (1, VERIFY_SCALES)):
+                r = int(records[2 * i + k])
+                if jobs["flags"][i] & flag and xxh3_64(planes[2 * i + k]) != int(entries["raw_xxh3"][2 * i + k]):
+                    raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} decodes to different bytes than were written")
+            shape = (h.heads, int(jobs["block_tokens"][i]), h.dim)
+            try:
+                planes[2 * i] = int_codes.decode(np.frombuffer(planes[2 * i], np.uint8), shape, int(jobs["bits"][i]))
+            except DecodeError as exc:
+                r = int(records[2 * i])
+                raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} does not decode: {exc}") from None
+        jobs["flags"] &= ~np.uint8(VERIFY_CODES | VERIFY_SCALES)
 
     def _restore(self, jobs: np.ndarray, planes: list[Buffer], first: np.ndarray, rows: np.ndarray,
                  targets: list[np.ndarray]) -> None:

@@ -20,7 +20,9 @@ give the keys or the values a width of their own, and ``layers=`` gives single
 tensors theirs: ``layers=k0:8+k3:6`` stores layer 0's keys in 8 bits and layer
 3's in 6 (``kvtool bench accuracy --layers-of`` measures which layers matter).
 The recipe, every width included, is in the header of every ``.kvz``, so a file says
-how each of its tensors was coded. For a block ``[heads, tokens, dim]`` the
+how each of its tensors was coded. ``codes=ctx`` (the default is ``packed``) codes the
+packed codes with a context model of the previous token (``kvtool.layouts.int_codes``,
+which documents that plane); the approximation is the same. For a block ``[heads, tokens, dim]`` the
 planes are
 
 ``codes``
@@ -57,11 +59,13 @@ import numpy as np
 from kvtool import _native
 from kvtool.cache import DTYPES, dtype_of
 from kvtool.errors import UsageError
+from kvtool.layouts import int_codes
 from kvtool.layouts.base import PlaneSpec, child_name
 from kvtool.layouts.lossy import LossyLayout, choice_param, finite_values, int_param, rounding_bound
 
 AXES = ("channel", "token")
 KINDS = ("k", "v")
+CODES = ("packed", "ctx")
 MAX_GROUP = 1 << 16
 FP16_MAX = float(np.finfo(np.float16).max)
 #: The cache dtypes the C core takes, by numpy dtype (the rest go to the numpy reference, which refuses them).
@@ -70,12 +74,12 @@ NATIVE_DTYPES = {DTYPES[name].numpy: name for name in ("bf16", "fp16", "fp32")}
 
 class IntQuant(LossyLayout):
     layout_id = "int"
-    params = ("bits", "k", "v", "group", "kbits", "vbits", "layers")
+    params = ("bits", "k", "v", "group", "kbits", "vbits", "layers", "codes")
     spec_param = "bits"
     param_types = {"bits": int, "group": int, "kbits": int, "vbits": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
 
     def __init__(self, bits: int = 4, k: str = "channel", v: str = "token", group: int = 32, kbits: int = 0,
-                 vbits: int = 0, layers: str = ""):
+                 vbits: int = 0, layers: str = "", codes: str = "packed"):
         self.bits = int_param(self.layout_id, "bits", bits, 1, 8)
         self.k = choice_param(self.layout_id, "k", k, AXES)
         self.v = choice_param(self.layout_id, "v", v, AXES)
@@ -85,6 +89,7 @@ class IntQuant(LossyLayout):
         if not isinstance(layers, str):
             raise UsageError(f"layout {self.layout_id!r}: layers must be a string such as 'k0:8+k3:6', not {layers!r}")
         self.layers = layers
+        self.codes = choice_param(self.layout_id, "codes", codes, CODES)
         self._layer_bits = parse_layers(self.layout_id, layers)
         #: Every width a tensor of this recipe may get: the codes plane has room for the widest.
         self.widest = max([self.kind_bits("k"), self.kind_bits("v"), *self._layer_bits.values()])
@@ -92,6 +97,13 @@ class IntQuant(LossyLayout):
         self._bits: int | None = None  # set by for_kind, where the tensor's layer is known or no layer has a width of its own
         #: plan_plane's answers, shared with the copies for_kind binds (a plan depends on neither kind nor layer)
         self._plans: dict[PlaneSpec, tuple[PlaneSpec, PlaneSpec]] = {}
+
+    def get_config(self) -> dict:
+        """Without ``codes`` where it is the default, so recipes from before the option keep their headers."""
+        config = super().get_config()
+        if self.codes == "packed":
+            del config["codes"]
+        return config
 
     def kind_bits(self, kind: str) -> int:
         """The code width of a kind's tensors, before ``layers``' per-layer widths."""
@@ -143,15 +155,26 @@ class IntQuant(LossyLayout):
             self.check_input(spec)
             heads, tokens, dim = spec.shape
             groups = max(rows * per_row for rows, per_row, _ in (self._counts(a, tokens, dim) for a in {self.k, self.v}))
+            packed = -(-heads * tokens * dim * self.widest // 8)
+            codes = int_codes.plane_size(heads * tokens * dim, self.widest) if self.codes == "ctx" else packed
             plan = self._plans[spec] = (
-                PlaneSpec(child_name(spec.name, "codes"), (-(-heads * tokens * dim * self.widest // 8),), np.dtype(np.uint8)),
+                PlaneSpec(child_name(spec.name, "codes"), (codes,), np.dtype(np.uint8)),
                 PlaneSpec(child_name(spec.name, "scales"), (heads, groups, 2), np.dtype(np.float16)),
             )
         return list(plan)
 
     def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
         planes = self._native_forward(plane)
-        return planes if planes is not None else self.reference_forward(plane)
+        planes = planes if planes is not None else self.reference_forward(plane)
+        if self.codes == "ctx":  # the packed codes (the plane's head), coded
+            planes[0] = int_codes.encode(planes[0], plane.shape, self.code_bits, planes[0].size)
+        return planes
+
+    def _packed(self, planes: list[np.ndarray], spec: PlaneSpec) -> list[np.ndarray]:
+        """The planes with the packed codes, as ``codes=packed`` stores them."""
+        if self.codes == "packed":
+            return planes
+        return [int_codes.decode(planes[0], spec.shape, self.code_bits), *planes[1:]]
 
     def _native_forward(self, plane: np.ndarray) -> list[np.ndarray] | None:
         """The C core's forward, the same bytes as ``reference_forward``; None where it is off or declines
@@ -193,9 +216,11 @@ class IntQuant(LossyLayout):
 
     def inverse_plane(self, planes: list[np.ndarray], spec: PlaneSpec) -> np.ndarray:
         out = np.empty(spec.shape, spec.dtype)
+        planes = self._packed(planes, spec)
         return out if self._native_inverse(planes, spec, out) else self.reference_inverse(planes, spec)
 
     def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
+        planes = self._packed(planes, spec)
         if not self._native_inverse(planes, spec, out):
             np.copyto(out, self.reference_inverse(planes, spec))
 

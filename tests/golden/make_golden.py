@@ -4,9 +4,11 @@
 
 Each file holds layers 0 and 29, tokens 0-11, of samples/code.safetensors: in 4-token
 chunks, one file per codec (byteplane layout) and one per layout chain; in one 12-token
-chunk per tensor, one file per array codec (a chunk that small would be stored raw); in
-4-token chunks, one file per lossy first stage (and one with the outliers side channel before it), whose decoded tensors' xxh3-64 digests
-``lossy-v1.json`` keeps (their bits are an approximation, so nothing else pins them).
+chunk per tensor, one file per array codec (a chunk that small would be stored raw) and one
+for ``int``'s ``codes=ctx`` (whose codes are coded at that size, not packed); in 4-token
+chunks, one file per other lossy first stage (and one with the outliers side channel before it).
+``lossy-v1.json`` keeps the decoded tensors' xxh3-64 digests of every lossy file (their bits are an
+approximation, so nothing else pins them).
 ``store-v1.json`` holds store entry records (version 1) and prefix keys
 (``kvtool/prefix/1``) for fixed inputs, byte for byte.
 """
@@ -45,13 +47,16 @@ LOSSY_RECIPES = {
     "lossy-fp8-e5m2-group": "fp8:e5m2,group=4|zstd:1",
     "lossy-mant-round3": "mant-round:3|byteplane|zstd:1",
     "lossy-outliers-int3": "outliers:0.05|int:3,group=4|zstd:1",
+    # in 12-token chunks, where every codes plane is coded (mode 1; 4-token ones fall back to the packed codes)
+    "lossy-int3-ctx": "int:3,group=4,codes=ctx|zstd:1",
 }
+WHOLE_CHUNKS = {*ARRAY_RECIPES, "lossy-int3-ctx"}
 GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES, **LOSSY_RECIPES}
 LOSSY_DIGESTS = HERE / "lossy-v1.json"
 
 
 def chunk_tokens(name: str) -> int:
-    return 12 if name in ARRAY_RECIPES else 4
+    return 12 if name in WHOLE_CHUNKS else 4
 
 
 def golden_cache() -> KVCache:
