@@ -25,11 +25,12 @@ from kvtool.store import open_store  # noqa: E402
 #: The key layers the per-layer sensitivity run found most sensitive, at 8 bits (BENCHMARKS.md,
 #: "Bits per kind and per layer").
 KEYS8 = "k20:8+k18:8+k7:8+k23:8+k14:8+k17:8"
-#: Recipes that BENCHMARKS.md measures (section "Lossy recipes"): about 2.5x, the best 3x plan, and
-#: outliers kept exact before 4-bit codes (about 3.6x).
+#: Recipes that BENCHMARKS.md measures (section "Lossy recipes"): about 2.5x, the best 3x plan with its
+#: codes entropy-coded (codes=ctx: the same approximation, 3.28x), and outliers kept exact before 4-bit
+#: codes (about 3.6x).
 RECIPES = [
     "int:6,group=64|zstd:3",
-    f"int:4,group=128,kbits=5,layers={KEYS8}+v18:6+v20:6+v14:6|zstd:3",
+    f"int:4,group=128,kbits=5,layers={KEYS8}+v18:6+v20:6+v14:6,codes=ctx|zstd:3",
     "outliers:0.01|int:4,group=128|zstd:3",
 ]
 MAX_TOKENS = 64
