@@ -32,6 +32,16 @@ def samples() -> list[Path]:
     return paths
 
 
+@pytest.fixture(scope="module")
+def real_arrays() -> list:
+    """Every fifth K and V tensor of the real samples."""
+    from kvtool.cache import KVCache
+
+    arrays = [a for path in sample_paths() for _, _, a in KVCache.load(path).tensors()]
+    assert arrays, "no real samples"
+    return arrays[::5]
+
+
 class RedisServer:
     """A throwaway redis-server on a free loopback port, with no persistence."""
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import sample_paths
 from kvtool.bench import recipes as recipe_sets
 from kvtool.bench.accuracy import DEFAULT_RECIPES
 from kvtool.bench.matrix import measure
@@ -39,14 +38,6 @@ LOSSY_RECIPES = [
     "int:4,group=64,kbits=6,layers=k1:8+v14:2|zstd:3", "outliers:0.01|int:3,group=128|zstd:3,outlier.val=none",
     "int:3,group=64,codes=ctx|zstd:3", "int:4,group=64,kbits=6,layers=k1:8+v14:2,codes=ctx|zstd:3",
 ]
-
-
-@pytest.fixture(scope="module")
-def real_arrays() -> list[np.ndarray]:
-    """Every fifth K and V tensor of the real samples."""
-    arrays = [a for path in sample_paths() for _, _, a in KVCache.load(path).tensors()]
-    assert arrays, "no real samples"
-    return arrays[::5]
 
 
 @pytest.fixture(scope="module")

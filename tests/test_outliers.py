@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 
-from conftest import sample_paths
 from kvtool import _native
 from kvtool.cache import DTYPES, KVCache
 from kvtool.errors import DecodeError, UsageError
@@ -21,14 +20,6 @@ from kvtool.testing.layouts import bits_of, random_bits, stored_and_read_back
 
 CHAINS = ["outliers:0.01|int:3,group=128", "outliers:0.02|int:4,group=64,kbits=5,layers=k1:8",
           "outliers:0.05,k=token,v=channel|int:2,k=token,v=channel,group=16", "outliers:0.01,v=none|int:3"]
-
-
-@pytest.fixture(scope="module")
-def real_arrays() -> list[np.ndarray]:
-    """Every fifth K and V tensor of the real samples."""
-    arrays = [a for path in sample_paths() for _, _, a in KVCache.load(path).tensors()]
-    assert arrays, "no real samples"
-    return arrays[::5]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ class IntBatch(PerChunk):
         self._channel = np.array([stage.axis == "channel" for stage in stages], np.uint8)
         specs = header.planes_for(min(header.chunk_tokens, header.num_tokens)) if header.num_tokens else ()
         self._codecs = [header.recipe.codec_for(spec.name) for spec in specs]  # codes' and scales'
-        self._coded = header.recipe.layouts[0].codes == "ctx"  # the codes plane holds coded codes, not packed ones
+        self._coded = getattr(header.recipe.layouts[0], "codes", "packed") == "ctx"  # the codes plane holds coded codes, not packed ones
 
     def _decode_run(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks, lo: int,
                     destination: Destination) -> None:
@@ -118,7 +118,7 @@ class IntBatch(PerChunk):
                     raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} decodes to different bytes than were written")
             shape = (h.heads, int(jobs["block_tokens"][i]), h.dim)
             try:
-                planes[2 * i] = int_codes.decode(np.frombuffer(planes[2 * i], np.uint8), shape, int(jobs["bits"][i]))
+                planes[2 * i] = int_codes.decode(np.frombuffer(planes[2 * i], np.uint8), shape, int(jobs["bits"][i])).data
             except DecodeError as exc:
                 r = int(records[2 * i])
                 raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} does not decode: {exc}") from None

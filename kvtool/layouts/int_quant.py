@@ -61,7 +61,7 @@ from kvtool.cache import DTYPES, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts import int_codes
 from kvtool.layouts.base import PlaneSpec, child_name
-from kvtool.layouts.lossy import LossyLayout, choice_param, finite_values, int_param, rounding_bound
+from kvtool.layouts.lossy import KindAxes, LossyLayout, choice_param, finite_values, int_param, rounding_bound
 
 AXES = ("channel", "token")
 KINDS = ("k", "v")
@@ -72,11 +72,12 @@ FP16_MAX = float(np.finfo(np.float16).max)
 NATIVE_DTYPES = {DTYPES[name].numpy: name for name in ("bf16", "fp16", "fp32")}
 
 
-class IntQuant(LossyLayout):
+class IntQuant(KindAxes, LossyLayout):
     layout_id = "int"
     params = ("bits", "k", "v", "group", "kbits", "vbits", "layers", "codes")
     spec_param = "bits"
     param_types = {"bits": int, "group": int, "kbits": int, "vbits": int}  # noqa: RUF012 - a ClassVar, declared in LossyLayout
+    axes_phrase = "quantizes keys along {k}s and values along {v}s"
 
     def __init__(self, bits: int = 4, k: str = "channel", v: str = "token", group: int = 32, kbits: int = 0,
                  vbits: int = 0, layers: str = "", codes: str = "packed"):
@@ -130,18 +131,6 @@ class IntQuant(LossyLayout):
         raise UsageError(
             f"layout {self.spec()!r} gives tensors different code widths: it needs to know which tensor a block is "
             "(a .kvz recipe knows; here bind it with for_kind(kind, layer))"
-        )
-
-    @property
-    def axis(self) -> str:
-        """The axis this layout quantizes along; known once bound to a kind, or when K and V share it."""
-        if self._axis is not None:
-            return self._axis
-        if self.k == self.v:
-            return self.k
-        raise UsageError(
-            f"layout {self.spec()!r} quantizes keys along {self.k}s and values along {self.v}s: "
-            "it needs to know which a tensor is (a .kvz recipe knows; here bind it with for_kind('k') or ('v'))"
         )
 
     def _counts(self, axis: str, tokens: int, dim: int) -> tuple[int, int, int]:

@@ -79,6 +79,29 @@ class KeywordSpec:
         return f"{self.layout_id}:{','.join(parts)}" if parts else self.layout_id
 
 
+class KindAxes(KeywordSpec):
+    """A stage that takes keys and values along axes of their own (``k``, ``v``): ``axis`` is known once
+    ``for_kind`` has bound the stage to a kind (setting ``_axis``), or when both kinds share one."""
+
+    k: str
+    v: str
+    _axis: str | None
+    #: What the stage does along the two axes, for the error that asks for a binding.
+    axes_phrase: ClassVar[str]
+
+    @property
+    def axis(self) -> str:
+        """The axis of the kind this stage is bound to."""
+        if self._axis is not None:
+            return self._axis
+        if self.k == self.v:
+            return self.k
+        raise UsageError(
+            f"layout {self.spec()!r} {self.axes_phrase.format(k=self.k, v=self.v)}: it needs to know which a tensor "
+            "is (a .kvz recipe knows; here bind it with for_kind('k') or ('v'))"
+        )
+
+
 class SideChannel(PlaneWiseLayout):
     """A lossless stage that may go before a lossy one: it keeps some values apart, exact, in planes after the first.
 

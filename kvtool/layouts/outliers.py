@@ -49,7 +49,7 @@ from kvtool import _native
 from kvtool.cache import DTYPES, dtype_of
 from kvtool.errors import DecodeError, UsageError
 from kvtool.layouts.base import PlaneSpec, child_name, dtype_name
-from kvtool.layouts.lossy import LOSSY_INPUTS, KeywordSpec, SideChannel, choice_param
+from kvtool.layouts.lossy import LOSSY_INPUTS, KindAxes, SideChannel, choice_param
 
 AXES = ("channel", "token", "none")
 KINDS = ("k", "v")
@@ -57,11 +57,12 @@ KINDS = ("k", "v")
 MAX_FRACTION = 0.5
 
 
-class Outliers(KeywordSpec, SideChannel):
+class Outliers(KindAxes, SideChannel):
     layout_id = "outliers"
     params = ("fraction", "k", "v")
     spec_param = "fraction"
     param_types = {"fraction": float}  # noqa: RUF012 - a ClassVar, declared in KeywordSpec
+    axes_phrase = "cuts keys in {k} rows and values in {v} rows"
 
     def __init__(self, fraction: float = 0.01, k: str = "channel", v: str = "token"):
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= MAX_FRACTION:
@@ -77,18 +78,6 @@ class Outliers(KeywordSpec, SideChannel):
         bound = copy.copy(self)
         bound._axis = self.k if kind == "k" else self.v
         return bound
-
-    @property
-    def axis(self) -> str:
-        """The axis the rows run along; known once bound to a kind, or when K and V share it."""
-        if self._axis is not None:
-            return self._axis
-        if self.k == self.v:
-            return self.k
-        raise UsageError(
-            f"layout {self.spec()!r} cuts keys in {self.k} rows and values in {self.v} rows: it needs to know "
-            "which a tensor is (a .kvz recipe knows; here bind it with for_kind('k') or ('v'))"
-        )
 
     def counts(self, axis: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
         """``(rows, row length, outliers per row)`` of a ``[heads, tokens, dim]`` block cut along ``axis``."""
