@@ -67,7 +67,7 @@ class BatchCodec:
         status, failed = self.core.decode_blocks(
             src, _jobs(chunks), out.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, True, self.model
         )
-        self._raise(status, failed)
+        raise_for_status(self.core, status, failed)
 
     def decode_rows(self, src: Buffer, chunks: Chunks, row_starts: np.ndarray, rows: np.ndarray, targets: list[np.ndarray],
                     heads: int, dim: int) -> None:
@@ -77,15 +77,18 @@ class BatchCodec:
             src, _jobs(chunks), row_starts.astype("<i8").tobytes(), rows.astype("<i8").tobytes(), targets,
             self.dtype_code, heads, dim, True, self.model,
         )
-        self._raise(status, failed)
+        raise_for_status(self.core, status, failed)
 
-    def _raise(self, status: int, failed: int) -> None:
-        if status == self.core.STATUS_CHECKSUM:
-            raise ChunkDecodeError("checksum mismatch", failed, "checksum")
-        if status == self.core.STATUS_ARG:
-            raise ChunkDecodeError("does not fit its destination", failed, "destination")
-        if status:
-            raise ChunkDecodeError("does not decode (malformed chunk)", failed, "malformed")
+
+
+def raise_for_status(core: ModuleType, status: int, failed: int) -> None:
+    """The ``ChunkDecodeError`` a batch call's status means (nothing for 0); ``failed``: the job that failed."""
+    if status == core.STATUS_CHECKSUM:
+        raise ChunkDecodeError("checksum mismatch", failed, "checksum")
+    if status == core.STATUS_ARG:
+        raise ChunkDecodeError("does not fit its destination", failed, "destination")
+    if status:
+        raise ChunkDecodeError("does not decode (malformed chunk)", failed, "malformed")
 
 
 def place_rows(block: np.ndarray, offsets: np.ndarray, target: np.ndarray) -> bool:

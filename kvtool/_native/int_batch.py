@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvtool import _native
-from kvtool._native.batch import Buffer, ChunkDecodeError
+from kvtool._native.batch import Buffer, raise_for_status
 from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import UsageError
 
@@ -75,12 +75,7 @@ class IntBatchCodec:
         )
         if status == self.core.STATUS_DECLINED:
             raise Declined(failed)
-        if status == self.core.STATUS_CHECKSUM:
-            raise ChunkDecodeError("checksum mismatch", failed, "checksum")
-        if status == self.core.STATUS_ARG:
-            raise ChunkDecodeError("does not fit its destination", failed, "destination")
-        if status:
-            raise ChunkDecodeError("does not decode (malformed chunk)", failed, "malformed")
+        raise_for_status(self.core, status, failed)
 
 
 def int_jobs(count: int) -> np.ndarray:

@@ -54,7 +54,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool.errors import DecodeError, UsageError
-from kvtool.modeldict.ctxans_reference import _read_repeats, repeat_section, repeated_rows
+from kvtool.modeldict.ctxans_reference import read_repeats, read_varint, repeat_section, repeated_rows, varint
 
 PROB_BITS = 12
 TOTAL = 1 << PROB_BITS
@@ -163,7 +163,7 @@ def reference_decode(plane: np.ndarray, shape: tuple[int, ...], bits: int) -> np
         back = np.zeros((tokens, heads), np.int64)
         if section_len:
             try:
-                back = _read_repeats(data[HEADER:model_at], tokens, heads, "repeats")
+                back = read_repeats(data[HEADER:model_at], tokens, heads, "repeats")
             except DecodeError as exc:
                 raise DecodeError(f"int codes plane: {REASONS[6]} ({exc})") from None
             if (back > np.arange(tokens)[:, None]).any():
@@ -252,10 +252,7 @@ def _model(freqs: list[list[int] | None], bits: int) -> bytes:
                 symbols[s // 8] |= 1 << (s % 8)
         body += symbols
         for f in [f for f in row if f][:-1]:
-            while f >= 0x80:
-                body.append(0x80 | (f & 0x7F))
-                f >>= 7
-            body.append(f)
+            body += varint(f)
     return bytes(present + body)
 
 
@@ -281,19 +278,13 @@ def _read_model(model: bytes, bits: int, c: int) -> list[list[int] | None]:
         present = [s for s in range(symbols) if mask >> s & 1]
         row = [0] * symbols
         for s in present[:-1]:
-            f, shift = 0, 0
-            while True:
-                if at >= len(model) or shift > 7:
-                    raise bad
-                byte = model[at]
-                at += 1
-                f |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-            if byte == 0 and shift > 7 or not 1 <= f < TOTAL:  # a varint's needless zero byte, or a frequency out of range
+            read = read_varint(model, at, 2)
+            if read is None:
                 raise bad
-            row[s] = f
+            f, end = read
+            if end - at > 1 and model[end - 1] == 0 or not 1 <= f < TOTAL:  # a needless zero byte, or out of range
+                raise bad
+            row[s], at = f, end
         last = TOTAL - sum(row)
         if last < 1:
             raise bad

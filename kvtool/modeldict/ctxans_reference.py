@@ -108,7 +108,8 @@ def repeated_rows(bits: np.ndarray) -> np.ndarray:
     return back
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """``value`` as an unsigned LEB128 varint (7 bits a byte, low first, the high bit set on all but the last)."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -239,7 +240,7 @@ def repeat_section(back: np.ndarray, coded_rows: np.ndarray) -> tuple[int, bytes
     if coded_rows.all():
         return 0, b""
     bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
-    body = bitmap + b"".join(_varint(int(b) - 1) for b in back[~coded_rows])
+    body = bitmap + b"".join(varint(int(b) - 1) for b in back[~coded_rows])
     return FLAG_REPEATS, struct.pack("<I", len(body)) + body
 
 
@@ -271,7 +272,7 @@ def read_sections(data: bytes, flags: int, shape: tuple[int, int, int], family: 
             raise DecodeError(f"{codec}: truncated chunk")
         (length,) = struct.unpack_from("<I", data, at)
         at += 4
-        back = _read_repeats(data[at : at + length], tokens, heads, codec)
+        back = read_repeats(data[at : at + length], tokens, heads, codec)
         at += length
     n_coded = int((back == 0).sum()) * dim
     raw_len = (n_coded * family.raw_bits + 7) // 8
@@ -371,7 +372,23 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     return np.moveaxis(out, 0, 1)
 
 
-def _read_repeats(body: bytes, tokens: int, heads: int, codec: str) -> np.ndarray:
+def read_varint(data: bytes, at: int, max_bytes: int) -> tuple[int, int] | None:
+    """The unsigned LEB128 varint at ``data[at]`` and the position after it; None where it runs past the end of
+    ``data`` or past ``max_bytes`` bytes."""
+    value = 0
+    for n in range(max_bytes):
+        if at + n >= len(data):
+            return None
+        byte = data[at + n]
+        value |= (byte & 0x7F) << (7 * n)
+        if not byte & 0x80:
+            return value, at + n + 1
+    return None
+
+
+def read_repeats(body: bytes, tokens: int, heads: int, codec: str) -> np.ndarray:
+    """The repeat section ``repeat_section`` writes: per (token, head) row the distance back to the row it
+    repeats, 0 for a coded row."""
     rows = tokens * heads
     bitmap_len = (rows + 7) // 8
     if len(body) < bitmap_len:
@@ -382,16 +399,10 @@ def _read_repeats(body: bytes, tokens: int, heads: int, codec: str) -> np.ndarra
     back = np.zeros(rows, np.int64)
     at = bitmap_len
     for row in np.flatnonzero(flags[:rows]).tolist():
-        value, shift = 0, 0
-        while True:
-            if at == len(body) or shift > 28:
-                raise DecodeError(f"{codec}: bad repeat distance")
-            byte = body[at]
-            at += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
+        read = read_varint(body, at, 5)
+        if read is None:
+            raise DecodeError(f"{codec}: bad repeat distance")
+        value, at = read
         back[row] = value + 1
     if at != len(body):
         raise DecodeError(f"{codec}: the repeat section has trailing bytes")
