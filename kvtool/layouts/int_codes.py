@@ -54,7 +54,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool.errors import DecodeError, UsageError
-from kvtool.modeldict.ctxans_reference import read_repeats, read_varint, repeat_section, repeated_rows, varint
+from kvtool.repeats import read_repeats, read_varint, repeat_section, repeated_rows, varint
 
 PROB_BITS = 12
 TOTAL = 1 << PROB_BITS

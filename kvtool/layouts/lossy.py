@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, cast
 import numpy as np
 
 from kvtool._native.int_batch import error_stats
-from kvtool.cache import DTYPES, DType, dtype_of
+from kvtool.dtypes import DTYPES, DType, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, check_planes, dtype_name
 

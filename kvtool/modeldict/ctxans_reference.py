@@ -30,10 +30,10 @@ from kvtool.errors import DecodeError
 from kvtool.modeldict.format import (
     LEVELS, LOW, MAX_CLASSES, MAX_CONTEXTS, PROB_BITS, REF_SYMBOLS, SYMBOLS, CoderTables,
 )
+from kvtool.repeats import FLAG_REPEATS, read_repeats, repeat_section, repeated_rows
 
 VERSION = 1
 HEAD = struct.Struct("<BB4sHII")  # version, flags, dictionary tag, base reference, escapes, rANS bytes
-FLAG_REPEATS = 1
 STATES = 16
 RANS_LOW = 1 << 16
 #: The most tokens a block may hold (the core's sums stay within 32 bits).
@@ -92,31 +92,6 @@ def contexts(sym: np.ndarray, tables: CoderTables) -> np.ndarray:
 def symbols(sign: np.ndarray, level: np.ndarray, refs: np.ndarray) -> np.ndarray:
     q = level - refs - LOW + 1
     return sign * LEVELS + np.where((q >= 1) & (q < LEVELS), q, 0)
-
-
-def repeated_rows(bits: np.ndarray) -> np.ndarray:
-    """For each row ``[tokens, heads]``, how many tokens back its nearest earlier equal row of the head is (0: none)."""
-    heads, tokens, _ = bits.shape
-    back = np.zeros((tokens, heads), np.int64)
-    for h in range(heads):
-        last: dict[bytes, int] = {}
-        for t in range(tokens):
-            row = bits[h, t].tobytes()
-            if row in last:
-                back[t, h] = t - last[row]
-            last[row] = t
-    return back
-
-
-def varint(value: int) -> bytes:
-    """``value`` as an unsigned LEB128 varint (7 bits a byte, low first, the high bit set on all but the last)."""
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def _pack_bits(values: np.ndarray, width: int) -> bytes:
@@ -233,15 +208,6 @@ def side_information(classes: np.ndarray, refs: np.ndarray, tables: CoderTables)
         if offsets[c] >= REF_SYMBOLS - 1:
             escapes.append(int(refs[c]))
     return base, side_syms, side_models, escapes
-
-
-def repeat_section(back: np.ndarray, coded_rows: np.ndarray) -> tuple[int, bytes]:
-    """The chunk's flags and repeat section: a bitmap of the repeated rows, then each one's distance."""
-    if coded_rows.all():
-        return 0, b""
-    bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
-    body = bitmap + b"".join(varint(int(b) - 1) for b in back[~coded_rows])
-    return FLAG_REPEATS, struct.pack("<I", len(body)) + body
 
 
 class Escapes:
@@ -370,40 +336,3 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     rans.finish()
     escape.finish()
     return np.moveaxis(out, 0, 1)
-
-
-def read_varint(data: bytes, at: int, max_bytes: int) -> tuple[int, int] | None:
-    """The unsigned LEB128 varint at ``data[at]`` and the position after it; None where it runs past the end of
-    ``data`` or past ``max_bytes`` bytes."""
-    value = 0
-    for n in range(max_bytes):
-        if at + n >= len(data):
-            return None
-        byte = data[at + n]
-        value |= (byte & 0x7F) << (7 * n)
-        if not byte & 0x80:
-            return value, at + n + 1
-    return None
-
-
-def read_repeats(body: bytes, tokens: int, heads: int, codec: str) -> np.ndarray:
-    """The repeat section ``repeat_section`` writes: per (token, head) row the distance back to the row it
-    repeats, 0 for a coded row."""
-    rows = tokens * heads
-    bitmap_len = (rows + 7) // 8
-    if len(body) < bitmap_len:
-        raise DecodeError(f"{codec}: truncated repeat section")
-    flags = np.unpackbits(np.frombuffer(body, np.uint8, bitmap_len), bitorder="little")
-    if flags[rows:].any():
-        raise DecodeError(f"{codec}: bad repeat bitmap padding")
-    back = np.zeros(rows, np.int64)
-    at = bitmap_len
-    for row in np.flatnonzero(flags[:rows]).tolist():
-        read = read_varint(body, at, 5)
-        if read is None:
-            raise DecodeError(f"{codec}: bad repeat distance")
-        value, at = read
-        back[row] = value + 1
-    if at != len(body):
-        raise DecodeError(f"{codec}: the repeat section has trailing bytes")
-    return back.reshape(tokens, heads)
