@@ -11,8 +11,9 @@ import pytest
 import kvtool
 from kvtool.errors import UsageError
 from kvtool.integrations.lmcache.chunks import ChunkLayout
-from kvtool.integrations.lmcache.codec import LayoutMismatch, decode_chunk_into, encode_chunk
-from kvtool.integrations.lmcache.naming import ChunkName
+from kvtool.entries import Miss, Restored, put_cache, restore_into
+from kvtool.entries.names import ChunkName
+from kvtool.store import Store, open_store
 from kvtool.integrations.lmcache.settings import AdapterSettings
 
 
@@ -28,6 +29,17 @@ def lmcache_chunk(sample: str, kv: int = 2) -> tuple[np.ndarray, list[tuple[int,
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8), [array.shape]
 
 
+def put_chunk(store: Store, data: np.ndarray, layout: ChunkLayout, recipe: str) -> int:
+    """Store one object's bytes as the adapter does; the record's size."""
+    put = put_cache(store, "chunk", layout.cache(data, "m"), recipe)
+    assert put.stored, put.detail
+    return put.stored_bytes
+
+
+def load_chunk(store: Store, layout: ChunkLayout, out: np.ndarray) -> Restored:
+    return restore_into(store, "chunk", layout.expected(), layout.destination(out))
+
+
 @pytest.mark.parametrize("sample", ["code.safetensors", "prose.safetensors"])
 @pytest.mark.parametrize("kv", [2, 1])
 @pytest.mark.parametrize("recipe", ["exphuff", "zstd:3", "none"])
@@ -35,12 +47,13 @@ def test_a_chunk_comes_back_bit_for_bit(sample, kv, recipe):
     data, shapes = lmcache_chunk(sample, kv)
     layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
     assert layout.kind == ("kv" if kv == 2 else "blocks") and layout.nbytes == data.nbytes
-    blob = encode_chunk(data, layout, recipe, "m")
     out = np.full_like(data, 0xA5)
-    decode_chunk_into(memoryview(blob), layout, out)
+    with open_store("memory://") as store:
+        size = put_chunk(store, data, layout, recipe)
+        assert load_chunk(store, layout, out).ok
     assert out.tobytes() == data.tobytes()
     if recipe == "exphuff":
-        assert len(blob) * 1.3 < data.nbytes  # real KV, channels lined up: the default recipe's ratio
+        assert size * 1.3 < data.nbytes  # real KV, channels lined up: the default recipe's ratio
 
 
 def test_k_and_v_of_a_layer_are_that_layers_k_and_v():
@@ -70,7 +83,9 @@ def test_anything_else_is_kept_as_bytes(shapes, dtypes, nbytes):
     layout = ChunkLayout.of(shapes, dtypes, nbytes)
     assert layout.kind == "bytes" and layout.nbytes == nbytes
     out = np.zeros_like(data)
-    decode_chunk_into(memoryview(encode_chunk(data, layout, "exphuff", "m")), layout, out)
+    with open_store("memory://") as store:
+        put_chunk(store, data, layout, "exphuff")
+        assert load_chunk(store, layout, out).ok
     assert out.tobytes() == data.tobytes()
 
 
@@ -82,13 +97,15 @@ def test_odd_sizes_are_refused():
 def test_another_layout_is_a_mismatch_and_damage_is_an_error():
     data, shapes = lmcache_chunk("prose.safetensors")
     layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
-    blob = bytearray(encode_chunk(data, layout, "exphuff", "m"))
     half = ChunkLayout(layout.kind, layout.dtype, layout.layers, layout.tokens // 2, layout.width)
-    with pytest.raises(LayoutMismatch):
-        decode_chunk_into(memoryview(bytes(blob)), half, np.zeros(half.nbytes, np.uint8))
-    blob[len(blob) // 2] ^= 1
-    with pytest.raises(kvtool.errors.KvtoolError):
-        decode_chunk_into(memoryview(bytes(blob)), layout, np.zeros_like(data))
+    with open_store("memory://") as store:
+        put_chunk(store, data, layout, "exphuff")
+        assert load_chunk(store, half, np.zeros(half.nbytes, np.uint8)).miss is Miss.MISMATCH
+        record = bytearray(store.read_record("chunk"))
+        record[len(record) // 2] ^= 1
+        store.write_record("chunk", bytes(record))
+        assert load_chunk(store, layout, np.zeros_like(data)).miss is Miss.DAMAGED
+        assert not store.contains("chunk")  # a damaged entry is dropped
 
 
 def test_every_field_of_the_key_and_the_recipe_name_another_entry():
@@ -102,7 +119,7 @@ def test_every_field_of_the_key_and_the_recipe_name_another_entry():
 
 def test_a_name_comes_back_from_its_metadata_only_under_its_own_key():
     name = ChunkName(b"\x07" * 32, "org/model", 3, 1, "tenant-a", "exphuff")
-    meta = name.meta(256, 1000)
+    meta = name.meta()
     assert ChunkName.from_meta(name.key, meta) == name
     assert ChunkName.from_meta(ChunkName(b"\x08" * 32, "org/model", 3, 1, "tenant-a", "exphuff").key, meta) is None
     tampered = {**meta, "lmcache": {**meta["lmcache"], "salt": "tenant-b"}}

@@ -17,11 +17,10 @@ from kvtool._native import reference
 
 from float_blocks import float_blocks
 from native_checks import (
-    CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
+    needs_core, CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
 )
 
 core = _native.core()
-needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
 
 
 def native_encode(block: np.ndarray, name: str) -> bytes:

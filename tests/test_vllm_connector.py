@@ -13,7 +13,7 @@ from kvtool.integrations.vllm.plan import LoadJob, SaveJob, entries_to_save, loa
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
 from kvtool.store import open_store
-from kvtool.store.prefixes import EntryNamer, find_stored_prefix, tokens_in
+from kvtool.entries.names import EntryNamer, find_stored_prefix, tokens_in
 
 torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
 
@@ -194,6 +194,7 @@ def test_restore_skips_the_blocks_vllm_already_has(background):
 
 def test_entries_coded_with_a_dictionary_restore_into_paged_blocks_or_fail_cleanly(samples, monkeypatch, tmp_path):
     from kvtool.cache import KVCache
+    from kvtool.kvz.header import _facts as header_facts
     from kvtool.modeldict import registry
     from kvtool.modeldict.train import train
 
@@ -212,6 +213,7 @@ def test_entries_coded_with_a_dictionary_restore_into_paged_blocks_or_fail_clean
             assert torch.equal(target_tensors[i][0], (cpu_paged() + i)[3])
         monkeypatch.setattr(registry, "_known", {})  # a reader that has never seen the dictionary
         monkeypatch.setattr(registry, "_files", {})
+        header_facts.cache_clear()  # nor a header that names it
         monkeypatch.setenv(registry.PATH_VARIABLE, str(tmp_path))
         stats = StatsCollector()
         missing = Restore(store, lambda e: f"key/{e}", layers_of([torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16)] * 2), jobs, stats)

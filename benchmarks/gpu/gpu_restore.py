@@ -123,10 +123,11 @@ def bench_entry(torch, device, name: str, cache: KVCache, recipe: str, repeat: i
 
 def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int, check: bool = True) -> dict:
     """N entries restored into shuffled blocks of CUDA-layout paged tensors through the connector's GPU path."""
-    from kvtool.integrations.vllm import gpu_transfer
+    from kvtool.entries import Expected, put_cache, restore_into
+    from kvtool.gpu.pages import GpuPages
     from kvtool.integrations.vllm.paged import kv_views, scatter_blocks
-    from kvtool.integrations.vllm.plan import LoadJob
     from kvtool.integrations.vllm.transfer import PagedLayers
+    from kvtool.store import open_store
     from kvtool.torchbits import from_numpy
 
     layers, heads, dim = len(caches[0].keys), caches[0].keys[0].shape[0], caches[0].keys[0].shape[2]
@@ -136,21 +137,26 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
     views = [kv_views(t, "FLASH_ATTN", dim, BLOCK) for t in tensors]
     paged = PagedLayers([f"l{i}" for i in range(layers)], [k for k, _ in views], [v for _, v in views], BLOCK, torch.bfloat16)
     ids = np.random.default_rng(1).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
-    blobs = [encode_cache(c, recipe, chunk_tokens=c.num_tokens, threads=1) for c in caches]
-    assert not check or gpu_transfer.gpu_usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
+    store = open_store("memory://")
+    for i, c in enumerate(caches):
+        assert put_cache(store, f"e{i}", c, recipe).stored
+    blobs = [bytes(store.fetch(f"e{i}").entry.value) for i in range(len(caches))]
+    expected = Expected(layers, (heads, per_entry * BLOCK, dim), "bf16")
+    assert not check or GpuPages.usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
 
     def restore() -> float:
+        """The connector's GPU path: each entry fetched once and handed to the step's GPU pages stored, then every
+        layer queued; the host's CPU time up to there."""
         cpu = time.process_time()
-        decoder = gpu_transfer.new_decoder(paged.keys, paged.values)
-        for blob, block_ids in zip(blobs, ids):
-            chunks = gpu_transfer.gpu_chunks(KvzReader.from_bytes(blob), blob, paged, LoadJob("e", per_entry, 0, list(block_ids)))
-            assert chunks is not None
-            decoder.add(chunks)
-        decoder.start()
+        pages = GpuPages(paged.keys, paged.values)
+        for i, block_ids in enumerate(ids):
+            restored = restore_into(store, f"e{i}", expected, pages.entry(list(block_ids)))
+            assert restored.ok, restored.detail
+        pages.start()
         for i in range(layers):
-            decoder.wait_layer(i)
+            pages.wait_layer(i)
         cpu = time.process_time() - cpu  # the host's share: it has not waited for the device so far
-        assert not decoder.failures()
+        assert not pages.failures()
         return cpu
 
     restore()

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool._native import ctxtans_reference as reference
+from kvtool._native.batch import BatchCodec
 from kvtool._native.ctxtans_tables import TansTables
 from kvtool.codecs.dictionary_codec import DictionaryCodec
 from kvtool.modeldict import registry
@@ -70,6 +71,9 @@ class CtxTansCodec(DictionaryCodec):
     def model(self) -> object | None:
         """The core's copy of the dictionary's tables (None without the core): what the batch path codes with."""
         return tables_of(self.dictionary())[1]
+
+    def batch_kernel(self, dtype: np.dtype) -> BatchCodec | None:
+        return BatchCodec.of(dtype, coded=True, model=self.model()) if self.supports(dtype) else None
 
     def _coders(self) -> tuple[Dictionary, object, object | None]:
         dictionary = self.dictionary()

@@ -26,6 +26,7 @@ _CORE_ERRORS = {1: "malformed chunk", 3: "the chunk was coded with another dicti
 class DictionaryCodec(NativeArrayCodec):
     params = ("dict",)
     spec_param = "dict"
+    uses_dictionary = True
     #: encode(block, name, tables, tag) and decode(buf, name, shape, tables, tag): the numpy reference.
     reference_module: ClassVar[ModuleType]
     #: The core's functions that encode and decode one chunk with a model.
@@ -44,6 +45,10 @@ class DictionaryCodec(NativeArrayCodec):
     @classmethod
     def spec_value(cls, arg: str) -> str:
         return registry.resolve(arg)
+
+    @abc.abstractmethod
+    def dictionary(self) -> Dictionary:
+        """The dictionary this codec codes with (looked up on first use)."""
 
     @abc.abstractmethod
     def _coders(self) -> tuple[Dictionary, object, object | None]:

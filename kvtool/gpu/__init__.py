@@ -1,4 +1,5 @@
-"""GPU decoders (Triton) of kvtool's formats: today exphuff-lanes, straight into paged KV blocks.
+"""GPU decoders (Triton) of kvtool's formats, straight into paged KV blocks: the chunks of codecs that say
+``gpu_decodes`` (today exphuff-lanes).
 
 An optional extra (``pip install kvtool[gpu]``: Triton; torch comes with the
 serving stack). Nothing here is imported by ``import kvtool``. ``status()``
@@ -11,10 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
-#: The recipe codec whose chunks the GPU decodes.
-GPU_CODECS = ("exphuff-lanes",)
-
 
 def interpreted() -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors, slowly."""
@@ -45,8 +42,3 @@ def dtype_name(dtype) -> str | None:
         if hasattr(torch, attr):
             names[getattr(torch, attr)] = name
     return names.get(dtype)
-
-
-def decodes(recipe) -> bool:
-    """Whether the GPU decoder takes chunks of ``recipe`` (a ``kvtool.recipe.Recipe``)."""
-    return not len(recipe.layouts) and not recipe.plane_codecs and recipe.codec.codec_id in GPU_CODECS

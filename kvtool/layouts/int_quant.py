@@ -57,7 +57,8 @@ import math
 import numpy as np
 
 from kvtool import _native
-from kvtool.cache import DTYPES, dtype_of
+from kvtool._native.int_batch import IntBatchCodec
+from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts import int_codes
 from kvtool.layouts.base import PlaneSpec, child_name
@@ -120,6 +121,9 @@ class IntQuant(KindAxes, LossyLayout):
         elif not self._layer_bits:
             bound._bits = self.kind_bits(kind)
         return bound
+
+    def batch_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
+        return IntBatchCodec.of(dtype, self.group)
 
     @property
     def code_bits(self) -> int:

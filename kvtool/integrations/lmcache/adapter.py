@@ -33,11 +33,11 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
+from kvtool.entries import Miss, put_cache, restore_into
+from kvtool.entries.names import ChunkName
 from kvtool.errors import KvtoolError
 from kvtool.integrations.lmcache.chunks import ChunkLayout
-from kvtool.integrations.lmcache.codec import LayoutMismatch, decode_chunk_into, encode_chunk
 from kvtool.integrations.lmcache.index import ChunkIndex, Counters, reindex
-from kvtool.integrations.lmcache.naming import ChunkName
 from kvtool.integrations.lmcache.settings import OPTIONS, AdapterSettings
 from kvtool.modeldict import registry as dictionaries
 from kvtool.recipe import Recipe
@@ -245,21 +245,24 @@ class KvtoolL2Adapter(L2AdapterInterface):
                 log.warning("kvtool L2 adapter: chunks shaped %s (%s) are not one KV tensor [2, layers, tokens, "
                             "hidden] of a float type; they are kept as bytes, at a lower ratio",
                             [list(s) for s in (meta.shapes or [meta.shape])], meta.dtypes or [meta.dtype])
-            blob = encode_chunk(np.frombuffer(obj.byte_array, np.uint8), layout, self.recipe, key.model_name)
-            if not self._store.put(name.key, blob, name.meta(layout.tokens, layout.nbytes)):
-                self.counters.add("store_failures", label="refused")
-                return False, 0
+            cache = layout.cache(np.frombuffer(obj.byte_array, np.uint8), key.model_name)
+            put = put_cache(self._store, name.key, cache, self.recipe, meta=name.meta())
         except KvtoolError as exc:
             log.warning("kvtool L2 adapter: cannot store chunk %s: %s", name.key, exc)
             self.counters.add("store_failures", label="encode")
             return False, 0
-        self._index.add(key, name.key, len(blob))
+        if not put.stored:
+            if put.cause == "encode":
+                log.warning("kvtool L2 adapter: cannot store chunk %s: %s", name.key, put.detail)
+            self.counters.add("store_failures", label=put.cause)
+            return False, 0
+        self._index.add(key, name.key, put.stored_bytes)
         self.counters.add("chunks_stored", label=layout.kind)
         self.counters.add("stored_raw_bytes", layout.nbytes)
-        self.counters.add("stored_bytes", len(blob))
+        self.counters.add("stored_bytes", put.stored_bytes)
         self.counters.add("store_cpu_seconds", time.thread_time() - cpu)
         self.counters.add("store_wall_seconds", time.perf_counter() - wall)
-        return True, len(blob)
+        return True, put.stored_bytes
 
     def _lookup(self, keys: list[ObjectKey]) -> list[bool]:
         store_keys = [self._name(key).key for key in keys]
@@ -275,29 +278,23 @@ class KvtoolL2Adapter(L2AdapterInterface):
     def _load_one(self, key: ObjectKey, obj: MemoryObj) -> bool:
         name = self._name(key)
         cpu, wall = time.thread_time(), time.perf_counter()
-        cause = None
         try:
             layout = layout_of(obj)
-            fetched = self._store.fetch(name.key)
-            entry = fetched.entry
-            if entry is None:
-                cause = fetched.cause.value if fetched.cause is not None else "missing"
-            else:
-                decode_chunk_into(entry.value, layout, np.frombuffer(obj.byte_array, np.uint8))
-        except LayoutMismatch:
-            cause = "mismatch"
-        except KvtoolError as exc:
-            cause = "decode_error"
-            log.warning("kvtool L2 adapter: chunk %s does not decode (%s); a miss", name.key, exc)
-        except (TypeError, ValueError) as exc:  # a destination that is not writable memory
-            cause = "mismatch"
+            out = np.frombuffer(obj.byte_array, np.uint8)
+        except (KvtoolError, TypeError, ValueError) as exc:  # a destination that is not writable memory
             log.warning("kvtool L2 adapter: cannot write chunk %s into its destination (%s); a miss", name.key, exc)
-        if cause is not None:
-            self.counters.add("load_failures", label=cause)
+            self.counters.add("load_failures", label="mismatch")
+            return False
+        restored = restore_into(self._store, name.key, layout.expected(), layout.destination(out))
+        if not restored.ok:
+            assert restored.miss is not None
+            if restored.miss.value in ("damaged", "undecodable"):
+                log.warning("kvtool L2 adapter: chunk %s is %s (%s); a miss", name.key, restored.miss.value, restored.detail)
+            self.counters.add("load_failures", label=_LOAD_FAILURE[restored.miss])
             return False
         self.counters.add("chunks_loaded")
         self.counters.add("loaded_raw_bytes", layout.nbytes)
-        self.counters.add("loaded_bytes", entry.size if entry is not None else 0)
+        self.counters.add("loaded_bytes", restored.stored_bytes)
         self.counters.add("load_cpu_seconds", time.thread_time() - cpu)
         self.counters.add("load_wall_seconds", time.perf_counter() - wall)
         return True
@@ -362,6 +359,11 @@ class KvtoolL2Adapter(L2AdapterInterface):
         for efd in self._efds.values():
             efd.close()
         log.info("kvtool L2 adapter closed")
+
+
+#: How a restore's miss is counted among the load failures (``load_failures|<label>``).
+_LOAD_FAILURE = {Miss.MISSING: "missing", Miss.DAMAGED: "damaged", Miss.UNREACHABLE: "unreachable",
+                 Miss.MISMATCH: "mismatch", Miss.UNDECODABLE: "decode_error"}
 
 
 def _bitmap(results: list[Any]) -> Bitmap:

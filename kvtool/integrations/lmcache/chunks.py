@@ -16,9 +16,10 @@ does not code, LMCache's benchmark payloads) is kept as its bytes: a one-layer
 cache of 1-byte elements whose first half is K and second half V. It
 round-trips bit for bit with every lossless recipe; only the ratio is lower.
 
-A load decodes straight into the destination object: ``rows()`` gives the byte
-offset of every (tensor, token) row in it, for ``KvzReader.read_rows``.
-This module needs numpy only (no torch, no LMCache).
+A load decodes straight into the destination object: ``destination(out)`` gives
+every (tensor, token) row's byte offset in it, and ``expected()`` what an entry
+must hold to be written there (``kvtool.entries``). This module needs numpy only
+(no torch, no LMCache).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from typing import Sequence
 import numpy as np
 
 from kvtool.cache import KVCache, ModelFacts
+from kvtool.destinations import Rows
 from kvtool.dtypes import DTYPES, dtype_of
+from kvtool.entries import Expected
 from kvtool.errors import UsageError
 
 #: The element type an object kept as bytes is coded as (any bit pattern round-trips).
@@ -99,8 +102,10 @@ class ChunkLayout:
         starts = block * self.tokens * row
         return (starts[:, None, None] + np.arange(self.tokens, dtype=np.int64)[None, None, :] * row).astype(np.int64)
 
-    def matches(self, layer_ids: Sequence[int], dtype: str, shapes: Sequence[tuple[int, int, int]]) -> bool:
-        """Whether a stored cache (its layer ids, dtype name and tensor shapes) is exactly this layout."""
-        expected = (1, self.tokens, self.width)
-        return list(layer_ids) == list(range(self.layers)) and dtype == self.dtype \
-            and len(shapes) == 2 * self.layers and all(tuple(s) == expected for s in shapes)
+    def destination(self, out: np.ndarray) -> Rows:
+        """The object's bytes ``out`` (a flat writable uint8 array) as the rows a restore writes."""
+        return Rows([out], self.rows(), [0] * (2 * self.layers))
+
+    def expected(self) -> Expected:
+        """What a stored entry must hold to be written into an object of this layout."""
+        return Expected(self.layers, (1, self.tokens, self.width), self.dtype)

@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
-from kvtool.integrations.lmcache.naming import PREFIX, ChunkName
+from kvtool.entries.names import LMCACHE_PREFIX, ChunkName
 from kvtool.store import Store
 
 log = logging.getLogger("kvtool.lmcache")
@@ -69,7 +69,7 @@ def reindex(store: Store, recipe: str, make_key: Callable[[ChunkName], K]) -> tu
     """
     found: tuple[list[K], list[str], list[int]] = ([], [], [])
     for store_key in store.keys():
-        if not store_key.startswith(PREFIX):
+        if not store_key.startswith(LMCACHE_PREFIX):
             continue
         info = store.info(store_key)
         name = None if info is None else ChunkName.from_meta(store_key, info.meta)

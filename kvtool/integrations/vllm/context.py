@@ -24,7 +24,7 @@ from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, empty, merge, summary
 from kvtool.recipe import Recipe
 from kvtool.store import Store
-from kvtool.store.prefixes import EntryNamer
+from kvtool.entries.names import EntryNamer
 
 log = logging.getLogger("kvtool.vllm")
 

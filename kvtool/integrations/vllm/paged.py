@@ -28,7 +28,7 @@ import torch
 from kvtool.errors import UsageError
 from kvtool.torchbits import from_numpy, numpy_dtype, to_numpy
 
-__all__ = ["from_numpy", "gather_blocks", "kv_views", "numpy_dtype", "row_offsets", "scatter_blocks", "storage_bytes", "to_numpy"]
+__all__ = ["from_numpy", "gather_blocks", "kv_views", "numpy_dtype", "scatter_blocks", "to_numpy"]
 
 def kv_views(layer: torch.Tensor, backend: str, head_dim: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's paged tensor."""
@@ -65,25 +65,3 @@ def scatter_blocks(view: torch.Tensor, block_ids: Sequence[int], array: torch.Te
     blocks = array.view(heads, n, block, dim).permute(1, 0, 2, 3).to(view.device, non_blocking=True)
     index = torch.as_tensor(list(block_ids), dtype=torch.long, device=view.device)
     view.index_copy_(0, index, blocks)
-
-
-def storage_bytes(view: torch.Tensor) -> np.ndarray:
-    """The whole storage under a CPU tensor view, as a writable flat byte array sharing its memory."""
-    whole = torch.empty(0, dtype=torch.uint8, device=view.device).set_(view.untyped_storage())
-    return whole.numpy()
-
-
-def row_offsets(view: torch.Tensor, block_ids: Sequence[int], tokens: int, skip: int = 0) -> np.ndarray:
-    """Byte offsets ``[kv_heads, tokens]`` in ``storage_bytes(view)`` of each token's row of a K or V view
-    ``[num_blocks, kv_heads, block_size, head_dim]``, for the blocks ``block_ids`` in order; the first
-    ``skip`` tokens get -1 (left out)."""
-    if view.stride(3) != 1:
-        raise UsageError(f"paged KV rows are not contiguous (strides {list(view.stride())})")
-    block_size = view.shape[2]
-    t = np.arange(tokens)
-    ids = np.asarray(list(block_ids), dtype=np.int64)[t // block_size]
-    elems = (view.storage_offset() + ids[None, :] * view.stride(0) + np.arange(view.shape[1])[:, None] * view.stride(1)
-             + (t % block_size)[None, :] * view.stride(2))
-    offsets = elems * view.element_size()
-    offsets[:, :skip] = -1
-    return offsets

@@ -1,7 +1,7 @@
 """Scheduler-side planning: which stored entries a request restores into which blocks, and which blocks to save.
 
 Pure Python (no vLLM, no torch), so it is unit-tested with fake requests.
-Entries are named and found by ``kvtool.store.prefixes`` (``EntryNamer``,
+Entries are named and found by ``kvtool.entries.names`` (``EntryNamer``,
 ``find_stored_prefix``); this module turns what was found into per-step jobs.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvtool.store.prefixes import EntryNamer, EntrySpan
+from kvtool.entries.names import EntryNamer, EntrySpan
 
 
 @dataclass

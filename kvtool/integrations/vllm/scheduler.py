@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtool.integrations.vllm.context import ConnectorContext, ConnectorSide
 from kvtool.integrations.vllm.plan import LoadJob, RequestState, SaveJob, StepPlan, entries_to_save, load_jobs
-from kvtool.store.prefixes import find_stored_prefix, tokens_in
+from kvtool.entries.names import find_stored_prefix, tokens_in
 
 log = logging.getLogger("kvtool.vllm")
 

@@ -41,7 +41,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, Secon
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm_offload import SUPPORTED_VLLM
 from kvtool.integrations.vllm_offload.chunks import check_recipe, load_row, save_row
-from kvtool.integrations.vllm_offload.rows import ChunkNamer, RowLayout
+from kvtool.entries.names import ChunkNamer
+from kvtool.integrations.vllm_offload.rows import RowLayout, chunk_namer
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store import Store, open_store
 from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
@@ -113,7 +114,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self.layout = RowLayout.from_config(offloading_spec.config, self.block_size_bytes, replicated, head_dim)
         self.recipe = Recipe.parse(recipe).spec()
         check_recipe(self.layout, self.recipe)
-        self.namer = ChunkNamer.from_config(offloading_spec.config, self.recipe, self.layout, model_id)
+        self.namer = chunk_namer(offloading_spec.config, self.recipe, self.layout, model_id)
         self._region = np.asarray(primary_kv_view).view(np.uint8)
         self._offsets = self.layout.row_offsets()
         self.store = open_store(store, write_behind=write_behind)
