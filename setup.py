@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = [
-    "_core.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "ctxans_model.c", "ctxans_encode.c", "ctxans_decode.c",
+    "_core.c", "kernels_py.c", "isa.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "ctxans_model.c", "ctxans_encode.c", "ctxans_decode.c",
     "ctxans_simd.c", "ctxans_py.c", "intquant.c", "intquant_batch.c", "lossy_stats.c", "outliers.c", "intcodes.c",
     "ctxtans.c", "ctxtans_encode.c", "ctxtans_py.c", "model_py.c", "repeats.c",
 ]

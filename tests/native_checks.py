@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +22,19 @@ from kvtool.testing.arraycodecs import DTYPES
 
 #: For tests that compare the core with its reference: skipped only where no core is built (CI builds it).
 needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
+
+
+def vector_levels() -> Iterator[str]:
+    """Runs the caller's loop body once at each vector level of the core's kernels that this CPU has (the portable
+    one everywhere), naming it; the level in use before is restored after."""
+    core = _native.core()
+    best = core.isa()
+    try:
+        for level in range(best + 1):
+            core.isa(level)
+            yield _native.ISA_LEVELS[level]
+    finally:
+        core.isa(best)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ off with ``KVTOOL_NATIVE=0``; kvtool then runs the numpy reference of the same
 formats (``kvtool._native.reference``; ctxans's is ``kvtool.modeldict.ctxans_reference``),
 which writes and reads the same bytes, slowly, and says so once in a warning. A core
 built from other sources (another job layout, other ctxans constants) is refused.
+
+The core's kernels use the widest vector instructions the CPU has (``ISA_LEVELS``);
+``KVTOOL_NATIVE_ISA=portable`` (or ``avx2``) holds them to a narrower level, whose
+kernels write the same bytes.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ INT_JOB_DTYPE = np.dtype(
 DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 
 _DISABLED = ("0", "false", "no", "off")
+#: The core's vector levels (enum kvn_isa_level in kvn.h), narrowest first.
+ISA_LEVELS = ("portable", "avx2", "avx512")
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,6 +85,11 @@ def _load() -> tuple[ModuleType | None, str]:
             or getattr(module, "INT_JOB_SIZE", None) != INT_JOB_DTYPE.itemsize
             or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
+    level = os.environ.get("KVTOOL_NATIVE_ISA", "").strip().lower()
+    if level in ISA_LEVELS:
+        module.isa(ISA_LEVELS.index(level))
+    elif level:
+        warnings.warn(f"KVTOOL_NATIVE_ISA={level!r} is none of {', '.join(ISA_LEVELS)}; ignored", RuntimeWarning, stacklevel=3)
     return module, ""
 
 
@@ -100,7 +111,9 @@ def core() -> ModuleType | None:
 def status() -> str:
     """How the hot path runs here, in words."""
     module, reason = _load()
-    return "native (C)" if module is not None else f"numpy reference, slow: native core {reason}"
+    if module is None:
+        return f"numpy reference, slow: native core {reason}"
+    return f"native (C, {ISA_LEVELS[module.isa()]})"
 
 
 @functools.lru_cache(maxsize=1)

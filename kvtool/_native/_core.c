@@ -54,17 +54,6 @@ static PyObject *error_status(int status) {
     return NULL;
 }
 
-static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
-    uint64_t h;
-    Py_BEGIN_ALLOW_THREADS
-    h = kvn_xxh3_64(buf.buf, (size_t)buf.len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    return PyLong_FromUnsignedLongLong(h);
-}
-
 static int parse_geometry(int dtype, Py_ssize_t heads, Py_ssize_t tokens, Py_ssize_t dim, Py_ssize_t buflen,
                           size_t *elems) {
     if (kvn_itemsize(dtype) == 0 || heads < 0 || tokens < 0 || dim < 0) {
@@ -439,6 +428,9 @@ release:
     return result;
 }
 
+/* The checksum's and the vector level's bindings live in kernels_py.c. */
+PyObject *kvn_py_xxh3_64(PyObject *self, PyObject *args);
+PyObject *kvn_py_isa(PyObject *self, PyObject *args);
 /* The ctxans coder's bindings live in ctxans_py.c. */
 PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args);
@@ -460,7 +452,8 @@ PyObject *kvn_py_int_codes_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_int_codes_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
-    {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
+    {"xxh3_64", kvn_py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer, in one piece or in pieces of a given size."},
+    {"isa", kvn_py_isa, METH_VARARGS, "The vector level the kernels use (0 portable, 1 AVX2, 2 AVX-512), capped first if given."},
     {"exphuff_encode", py_exphuff_encode, METH_VARARGS, "Encode one C-contiguous block as an exphuff chunk."},
     {"exphuff_decode", py_exphuff_decode, METH_VARARGS, "Decode one exphuff chunk into a C-contiguous block; returns a status."},
     {"encode_blocks", py_encode_blocks, METH_VARARGS, "Encode a tensor's token blocks: (blob, meta)."},

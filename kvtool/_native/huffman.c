@@ -320,7 +320,7 @@ __attribute__((target("bmi,bmi2,lzcnt"))) static int decode4_bmi2(const kvn_huf_
 int kvn_huf_decode4(const kvn_huf_entry *table, const uint8_t *in, const size_t stream_len[KVN_HUF_STREAMS],
                     const uint8_t *readable_end, uint8_t *out, size_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("bmi2")) return decode4_bmi2(table, in, stream_len, readable_end, out, n);
+    if (kvn_isa() >= KVN_ISA_AVX2) return decode4_bmi2(table, in, stream_len, readable_end, out, n);
 #endif
     return decode4(table, in, stream_len, readable_end, out, n);
 }

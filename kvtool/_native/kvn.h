@@ -26,8 +26,28 @@ static inline uint32_t kvn_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 static inline void kvn_wr64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline void kvn_wr32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
+/* The vector instructions kernels use (isa.c): the best level this CPU has, at most the cap set last. */
+enum kvn_isa_level { KVN_ISA_PORTABLE = 0, KVN_ISA_AVX2 = 1, KVN_ISA_AVX512 = 2 };
+int kvn_isa(void);
+int kvn_isa_detected(void);
+void kvn_isa_cap(int level);
+
 /* XXH3-64 with seed 0 and the default secret (xxhash_spec.md), the checksum of .kvz chunks. */
 uint64_t kvn_xxh3_64(const uint8_t *data, size_t len);
+/* The same hash of bytes that arrive in pieces: reset, update with each piece in order, digest. */
+typedef struct {
+    uint64_t acc[8];
+    uint64_t total;
+    unsigned stripe;     /* stripes of the current 1024-byte block already accumulated */
+    unsigned part_len;   /* bytes in part */
+    int held;            /* whether last holds a stripe */
+    uint8_t last[64];    /* the newest whole stripe, held back: it may be the input's last */
+    uint8_t part[64];    /* the bytes after it, fewer than a stripe */
+    uint8_t head[240];   /* the first bytes: an input of at most 240 is hashed from here */
+} kvn_xxh3_state;
+void kvn_xxh3_reset(kvn_xxh3_state *st);
+void kvn_xxh3_update(kvn_xxh3_state *st, const uint8_t *data, size_t len);
+uint64_t kvn_xxh3_digest(const kvn_xxh3_state *st);
 
 /* ---- exphuff: one KV block [heads, tokens, dim] <-> one coded chunk (see exphuff.c) ---- */
 
