@@ -80,6 +80,11 @@ size_t kvn_exphuff_bound(const kvn_block *b);
 int kvn_exphuff_encode(const kvn_block *b, const void *src, uint8_t *dst, size_t *written, unsigned lane);
 /* Decode a chunk of either version into the block at `dst` (laid out as b describes). */
 int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len, void *dst);
+/* The same values, row (h, t) (dim values) written to rows[h * tokens + t], or nowhere where that is NULL; with
+ * raw_hash, the XXH3-64 of the whole block's bytes in C order (rows written nowhere included) lands there. The rows
+ * are written before the hash is known: a caller that finds it wrong must treat them as garbage. */
+int kvn_exphuff_decode_rows(const kvn_block *b, const uint8_t *src, size_t len, uint8_t *const *rows,
+                            uint64_t *raw_hash);
 
 /* ---- int: the lossy int:BITS stage, both ways (see intquant.c) ---- */
 
