@@ -90,10 +90,14 @@ class PagedLayers:
         return PagedViews.of([view for pair in zip(self.keys, self.values) for view in pair])
 
     def blocks(self, job: LoadJob, layer: int | None = None) -> PagedBlocks:
-        """The restore destination of ``job``'s entry in these pages: every layer, or one."""
-        ids = [0] * job.first_block + list(job.block_ids)  # the skipped blocks' rows are left out
+        """The restore destination of ``job``'s entry in these pages (every layer, or one): the tokens of its blocks
+        past the first ``first_block``, which vLLM already holds (``tokens(job)``)."""
         picked = None if layer is None else [2 * layer, 2 * layer + 1]
-        return self.paged.blocks(ids, job.first_block * self.block_size, picked)
+        return self.paged.blocks(job.block_ids, 0, picked)
+
+    def tokens(self, job: LoadJob) -> slice:
+        """The entry's tokens a restore of ``job`` reads: only the chunks that hold them are decoded."""
+        return slice(job.first_block * self.block_size, job.num_blocks * self.block_size)
 
 
 @dataclass
@@ -235,7 +239,7 @@ class Restore:
             self.times.fetch = decoding - begin
             if self._direct:
                 for p in self._pending:
-                    self._restore(p, self._layers.blocks(p.job))
+                    self._restore(p, self._layers.blocks(p.job), tokens=self._layers.tokens(p.job))
             else:
                 if self._gpu is not None:
                     self._hand_to_gpu(self._gpu)
@@ -296,13 +300,12 @@ class Restore:
             if p.opened is None or self._is_failed(p):
                 continue
             if self._on_cpu:
-                self._restore(p, layers.blocks(p.job, index), [index])
+                self._restore(p, layers.blocks(p.job, index), [index], layers.tokens(p.job))
                 continue
             n, bs = len(p.job.block_ids), layers.block_size
             staging = torch.empty((2, n, layers.heads, bs, layers.head_dim), dtype=layers.dtype,
                                   pin_memory=torch.cuda.is_available())
-            first = p.job.first_block * bs
-            self._restore(p, paged_blocks(list(staging), range(n)), [index], slice(first, first + n * bs))
+            self._restore(p, paged_blocks(list(staging), range(n)), [index], layers.tokens(p.job))
             if not self._is_failed(p):
                 self._staged[index].append((list(p.job.block_ids), staging))
 
