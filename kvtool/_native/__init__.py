@@ -1,11 +1,12 @@
 """kvtool's native core: the C kernels of the hot path, and how to reach them.
 
 ``core()`` is the compiled extension (``kvtool._native._core``, built by ``pip
-install`` through setuptools) or ``None`` where it was not built or is turned
-off with ``KVTOOL_NATIVE=0``; kvtool then runs the numpy reference of the same
-formats (``kvtool._native.reference``; ctxans's is ``kvtool.modeldict.ctxans_reference``),
-which writes and reads the same bytes, slowly, and says so once in a warning. A core
-built from other sources (another job layout, other ctxans constants) is refused.
+install`` through setuptools; typed by ``core_api.NativeCore``) or ``None`` where
+it was not built or is turned off with ``KVTOOL_NATIVE=0``; kvtool then runs the
+numpy reference of the same formats (``kvtool._native.reference``; ctxans's is
+``kvtool.modeldict.ctxans_reference``), which writes and reads the same bytes,
+slowly, and says so once in a warning. A core built from other sources (another
+job layout, other ctxans constants) is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import functools
 import importlib
 import os
 import warnings
-from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -22,6 +22,8 @@ import xxhash
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer  # anything with the buffer protocol
+
+    from kvtool._native.core_api import NativeCore
 
 #: One chunk for ``decode_blocks``; the C struct ``job`` in _core.c.
 JOB_DTYPE = np.dtype(
@@ -68,7 +70,7 @@ _DISABLED = ("0", "false", "no", "off")
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[ModuleType | None, str]:
+def _load() -> tuple[NativeCore | None, str]:
     if os.environ.get("KVTOOL_NATIVE", "").strip().lower() in _DISABLED:
         return None, "turned off by KVTOOL_NATIVE=0"
     try:
@@ -79,7 +81,7 @@ def _load() -> tuple[ModuleType | None, str]:
             or getattr(module, "INT_JOB_SIZE", None) != INT_JOB_DTYPE.itemsize
             or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
-    return module, ""
+    return cast("NativeCore", module), ""  # the C says nothing of its types: core_api states them
 
 
 def _ctxans_constants() -> dict[str, int]:
@@ -89,7 +91,7 @@ def _ctxans_constants() -> dict[str, int]:
     return NATIVE_CONSTANTS
 
 
-def core() -> ModuleType | None:
+def core() -> NativeCore | None:
     """The compiled core, or None (the reason is in ``status()``); warns once when it is missing."""
     module, reason = _load()
     if module is None and not reason.startswith("turned off"):

@@ -19,11 +19,12 @@ import numpy as np
 
 from kvtool._native import reference as exphuff
 from kvtool.modeldict.ctxans_reference import (
-    FAMILIES, _pack_bits, analyse, read_channels, read_sections, repeat_section, side_information,
+    FAMILIES, _pack_bits, analyse, read_channels, read_sections, side_information,
 )
 from kvtool._native.ctxtans_tables import TABLE_LOG, TABLE_SIZE, TansTables
 from kvtool.errors import DecodeError
 from kvtool.modeldict.format import LEVELS, LOW, SYMBOLS
+from kvtool.repeats import repeat_section
 
 #: What the encoder writes; version 1 chunks (channels in their own order) still decode.
 VERSION = 2
@@ -86,8 +87,10 @@ class _TansDecoder:
         window = np.zeros(self.pos + 1, np.int64)
         for j in range(TABLE_LOG):
             window |= padded[j : j + self.pos + 1] << j
-        self.window = window.tolist()
-        self.symbol, self.nbits, self.base = t.symbol.tolist(), t.nbits.tolist(), t.base.tolist()
+        self.window: list[int] = window.tolist()
+        self.symbol: list[list[int]] = t.symbol.tolist()
+        self.nbits: list[list[int]] = t.nbits.tolist()
+        self.base: list[list[int]] = t.base.tolist()
         self.states = [0] * STATES
         for k in range(STATES - 1, -1, -1):
             self.states[k] = self._read(TABLE_LOG)
@@ -156,7 +159,8 @@ def encode(block: np.ndarray, dtype_name: str, t: TansTables, tag: bytes, versio
     order = order[x.coded.reshape(-1)[order]]  # the coded values in coding order
 
     def ordered(a: np.ndarray) -> np.ndarray:
-        return a.reshape(-1)[order]
+        in_order: np.ndarray = a.reshape(-1)[order]
+        return in_order
 
     models = classes[None, :] * ct.contexts + x.prev
     escapes += ordered(x.level)[ordered(x.sym) % LEVELS == 0].tolist()

@@ -106,7 +106,8 @@ def _unpack_bits(data: bytes, count: int, width: int) -> np.ndarray:
     if not count or not width:
         return np.zeros(count, np.int64)
     bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")[: count * width].astype(np.int64)
-    return (bits.reshape(count, width) << np.arange(width)).sum(axis=1)
+    values: np.ndarray = (bits.reshape(count, width) << np.arange(width)).sum(axis=1)
+    return values
 
 
 def _rans_encode(syms: list[int], models: list[int], t: CoderTables) -> bytes:

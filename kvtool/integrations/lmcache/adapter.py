@@ -54,7 +54,7 @@ class KvtoolL2AdapterConfig(L2AdapterConfigBase):
         self.settings = settings
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KvtoolL2AdapterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> "KvtoolL2AdapterConfig":
         try:
             return cls(AdapterSettings.from_params(d))
         except KvtoolError as exc:
@@ -82,7 +82,7 @@ def _object_key(name: ChunkName) -> ObjectKey:
 class KvtoolL2Adapter(L2AdapterInterface):
     """LMCache L2 adapter over a kvtool store; see the module docstring."""
 
-    def __init__(self, config: KvtoolL2AdapterConfig | dict, l1_memory_desc: Any = None) -> None:
+    def __init__(self, config: KvtoolL2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None) -> None:
         super().__init__()
         settings = config.settings if isinstance(config, KvtoolL2AdapterConfig) else AdapterSettings.from_params(config)
         self.settings = settings
@@ -126,13 +126,16 @@ class KvtoolL2Adapter(L2AdapterInterface):
 
     # -- event fds ---------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
-        return self._efds["store"].fileno()
+        fd: int = self._efds["store"].fileno()
+        return fd
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._efds["lookup"].fileno()
+        fd: int = self._efds["lookup"].fileno()
+        return fd
 
     def get_load_event_fd(self) -> int:
-        return self._efds["load"].fileno()
+        fd: int = self._efds["load"].fileno()
+        return fd
 
     # -- tasks -----------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -339,7 +342,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             listener.on_l2_keys_stored(keys, sizes)
 
     # -- status and lifecycle ----------------------------------------------------------------
-    def report_status(self) -> dict:
+    def report_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
             "is_healthy": not self._closed, "type": type(self).__name__, "store": self._store.describe(),
             "recipe": self.recipe, "workers": self.settings.workers, "chunks_indexed": len(self._index),

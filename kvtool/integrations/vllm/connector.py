@@ -134,7 +134,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         return KvtoolConnectorStats.from_payload(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KvtoolPromMetrics:
         return KvtoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -84,11 +84,11 @@ class ConnectorSide(ABC):
         self.context = context
         self.store = _open_store(context, self.side)
         self.stats = StatsCollector()
-        self._totals: dict = empty()
+        self._totals: dict[str, Any] = empty()
         self._totals_logged = False
         self._closed = False
 
-    def take_stats(self) -> dict | None:
+    def take_stats(self) -> dict[str, Any] | None:
         """What this half counted since the last call (None if nothing), added to its totals."""
         data = self.stats.take()
         if data is not None:
@@ -103,7 +103,7 @@ class ConnectorSide(ABC):
         self._log_summary(summary(self._totals))
 
     @abstractmethod
-    def _log_summary(self, done: dict) -> None:
+    def _log_summary(self, done: dict[str, Any]) -> None:
         """Log this half's totals (``done``) in its own words."""
 
     def shutdown(self) -> None:

@@ -128,6 +128,6 @@ class KvtoolScheduler(ConnectorSide):
             self._api = None
         super().shutdown()
 
-    def _log_summary(self, done: dict) -> None:
+    def _log_summary(self, done: dict[str, Any]) -> None:
         log.info("kvtool at shutdown (scheduler): %d lookups, %d hits (%d tokens found), %d misses",
                  done["lookups"], done["lookup_hits"], done["tokens_found"], done["lookups"] - done["lookup_hits"])

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtool.integrations.vllm.context import ConnectorContext, ConnectorSide
@@ -90,7 +91,7 @@ class KvtoolWorker(ConnectorSide):
                 self._saver.submit(self._save_entry, entry_id, keys, values)
             self._capture = None
 
-    def _save_entry(self, entry_id: str, keys: list, values: list) -> None:
+    def _save_entry(self, entry_id: str, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
         key = self.context.namer.key(entry_id, self.rank)
         start = time.perf_counter()
         try:
@@ -112,7 +113,7 @@ class KvtoolWorker(ConnectorSide):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_stats(self) -> dict | None:
+    def take_stats(self) -> dict[str, Any] | None:
         """As every half's, and every ``STORE_SAMPLE_S`` (rank 0) what the store's tiers hold, sampled off the step."""
         now = time.monotonic()
         if self.rank == 0 and not self._closed and now - self._store_sampled >= STORE_SAMPLE_S:
@@ -131,7 +132,7 @@ class KvtoolWorker(ConnectorSide):
             self._saver.shutdown(wait=True)
         super().shutdown()
 
-    def _log_summary(self, done: dict) -> None:
+    def _log_summary(self, done: dict[str, Any]) -> None:
         log.info("kvtool at shutdown (worker %d): %d tokens restored, %d restore failures, %d entries saved "
                  "(%.1f MB stored, ratio %s)", self.rank, done["tokens_restored"], done["restore_failures"],
                  done["entries_saved"], done["saved_MB"], done.get("compression_ratio", "-"))
@@ -141,7 +142,8 @@ def _tensor_parallel_rank() -> int:
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank()
+        rank: int = parallel_state.get_tensor_model_parallel_rank()
+        return rank
     return 0
 
 
@@ -150,5 +152,6 @@ def _attention_backend(vllm_config: Any) -> str:
     for layer in vllm_config.compilation_config.static_forward_context.values():
         get_backend = getattr(layer, "get_attn_backend", None)
         if get_backend is not None:
-            return get_backend().get_name()
+            name: str = get_backend().get_name()
+            return name
     return "unknown"
