@@ -58,6 +58,11 @@ class Registry(Generic[T]):
             raise DuplicateIdError(f"{self.kind} id {id_!r} is already registered")
         self._loaded[id_] = obj
 
+    def unregister(self, id_: str) -> None:
+        """Forget a class ``register`` added (tests and scripts); built-ins and entry points stay."""
+        if id_ not in self._entries:
+            self._loaded.pop(id_, None)
+
     def ids(self) -> list[str]:
         """Every known id, sorted; importing nothing."""
         self._discover()
