@@ -15,15 +15,19 @@ vLLM's dummy weights are drawn as in ``run_matrix.py`` (at import: the engine pr
 runs this module's top level too).
 """
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_e2e"))
@@ -89,8 +93,53 @@ class Server:
         self.proc.wait()
 
 
-def run_family(family, spec: dict, server: Server) -> dict:
+@contextlib.contextmanager
+def engine_processes(log: Path, server: int) -> Iterator[None]:
+    """While it runs, the processes this one starts (vLLM's engine and worker, not the ``server``) write their stderr
+    into ``log``; afterwards the shared-memory copy of the KV cache LMCache's connector made for each is removed,
+    whether the engine started or not."""
     import psutil
+
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            seen.update(p.pid for p in psutil.Process().children(recursive=True) if p.pid != server)
+
+    saved = os.dup(2)
+    with open(log, "wb") as out:
+        os.dup2(out.fileno(), 2)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        os.dup2(saved, 2)
+        os.close(saved)
+        for pid in seen:
+            for leftover in Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"):
+                leftover.unlink(missing_ok=True)
+
+
+def root_cause(log: Path, error: str) -> str:
+    """vLLM's own words for why its engine did not start (its processes log them), else ``error``."""
+    causes = re.findall(r"\((?:EngineCore|Worker)[^)]*\).*?\b(\w+(?:Error|Exception): .+)", log.read_text(errors="replace"))
+    return causes[0] if causes and "Engine core initialization failed" in error else error
+
+
+def run_family(family, spec: dict, server: Server) -> dict:
+    log = Path(spec["models"]) / f"{family.name}.engine.log"
+    with engine_processes(log, server.proc.pid):
+        row = run_engine(family, spec, server)
+    if "error" in row:
+        row["error"] = root_cause(log, row["error"])
+    return row
+
+
+def run_engine(family, spec: dict, server: Server) -> dict:
     from vllm import LLM, SamplingParams
 
     row: dict = {"family": family.name}
@@ -103,7 +152,6 @@ def run_family(family, spec: dict, server: Server) -> dict:
                                                     "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}, **family.engine)
     except Exception as exc:  # noqa: BLE001 - vLLM's or LMCache's reason is the row's result
         return {**row, "error": vllm_error(exc)}
-    engines = [p.pid for p in psutil.Process().children(recursive=True) if p.pid != server.proc.pid]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
     try:
         for name, salt in (("cold", None), ("warm", None), ("restored", None), ("salted", "another-tenant")):
@@ -122,9 +170,6 @@ def run_family(family, spec: dict, server: Server) -> dict:
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
-        for pid in engines:  # the shared-memory copy of the KV cache LMCache's connector made for this engine
-            for leftover in Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"):
-                leftover.unlink(missing_ok=True)
     return row
 
 

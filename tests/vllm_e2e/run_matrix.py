@@ -34,6 +34,8 @@ from families import DUMMY_RANGE, FAMILIES, MAX_TOKENS, OTHER, PROMPT, SUFFIX, d
 from run_vllm import corrupt_entries
 from tier_rows import tier_row
 
+KV_CACHE_BYTES = 64 * 2**20  # a few hundred blocks of a tiny model: the families run one after the other
+
 
 class KvtoolLines(logging.Handler):
     """kvtool's log lines of the family being run."""
@@ -63,8 +65,8 @@ def run_family(family, spec: dict, lines: KvtoolLines) -> dict:
     try:
         llm = LLM(
             model=str(Path(spec["models"]) / family.name), load_format="dummy", max_model_len=1024,
-            enforce_eager=True, enable_prefix_caching=True, distributed_executor_backend="uni", dtype="bfloat16",
-            seed=0, kv_transfer_config={
+            kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=True, enable_prefix_caching=True,
+            distributed_executor_backend="uni", dtype="bfloat16", seed=0, kv_transfer_config={
                 "kv_connector": "KvtoolConnector", "kv_connector_module_path": "kvtool.integrations.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"store": f"file://{Path(spec['stores']) / family.name}"},
@@ -96,6 +98,7 @@ def run_family(family, spec: dict, lines: KvtoolLines) -> dict:
     except Exception as exc:  # noqa: BLE001
         row["error"] = vllm_error(exc)
     finally:
+        llm.llm_engine.engine_core.shutdown()  # the worker, its KV cache and kvtool's connector with it
         del llm
     row["refusal"] = lines.first(r"kvtool restores nothing for this model: (.*); vLLM computes")
     row["groups"] = lines.first(r"kvtool: (?:\d+ layers \(|no layer registered \()(.*?)\)")

@@ -50,7 +50,8 @@ def run_phase(phase: str, names: list[str], root: Path) -> dict[str, dict]:
     spec = root / f"{phase}.json"
     spec.write_text(json.dumps({"phase": phase, "models": str(root / "models"), "stores": str(root / "stores"),
                                 "families": names}))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the runner's small KV cache
     proc = subprocess.run([sys.executable, str(RUNNER), str(spec)], capture_output=True, text=True, env=env,
                           timeout=900, check=False)
     rows = {r["family"]: r for r in (json.loads(line[len("FAMILY "):]) for line in proc.stdout.splitlines()
