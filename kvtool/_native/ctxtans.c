@@ -84,7 +84,7 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
     if (!m) return NULL;
     m->dec = table_alloc(models * T * sizeof(uint32_t));
     m->cost_lanes = classes <= 32 ? 32 : COST_LANES;
-    m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * (size_t)m->cost_lanes, sizeof(int16_t));
+    m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * (size_t)m->cost_lanes, 1);
     m->classes = classes;
     m->contexts = contexts;
     m->start_context = start_context;
@@ -98,7 +98,7 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
     for (size_t i = 0; i < models * T; i++)
         m->dec[i] = symbol[i] | (uint32_t)nbits[i] << 6 | ((uint32_t)context_of[symbol[i]] << L | base[i]) << 16;
     for (size_t r = 0; r < (size_t)contexts * KVN_TANS_SYMBOLS; r++)
-        for (int k = 0; k < classes; k++) m->cost[r * (size_t)m->cost_lanes + k] = (int16_t)cost[r * (size_t)classes + (size_t)k];
+        for (int k = 0; k < classes; k++) m->cost[r * (size_t)m->cost_lanes + k] = (uint8_t)cost[r * (size_t)classes + (size_t)k];
     memcpy(m->class_cost, class_cost, (size_t)classes * sizeof(int32_t));
     memcpy(m->tag, tag, 4);
     int best = kvn_isa_best();

@@ -28,7 +28,7 @@ AVX2_INLINE __m256i popcount32(__m256i v) {
 AVX2_INLINE int group_w(lane_group *g, const int NV) {
     const __m256i slot_mask = _mm256_set1_epi32(T - 1), twelve = _mm256_set1_epi32(0xFFF), first = _mm256_set1_epi32(63);
     const __m256i fifteen = _mm256_set1_epi32(15), two = _mm256_set1_epi32(2), low = _mm256_set1_epi32(RANS_LOW);
-    const __m256i below = _mm256_setr_epi32(0, 1, 3, 7, 15, 31, 63, 127); /* per lane: the lanes before it */
+    const __m256i low15 = _mm256_set1_epi32(RANS_LOW >> 8);
     const int *bucket = (const int *)g->bucket, *fcx = (const int *)g->fcx;
     __m256i x[8], model[8];
     for (int v = 0; v < NV; v++) {
@@ -66,12 +66,15 @@ AVX2_INLINE int group_w(lane_group *g, const int NV) {
             __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(sym), _mm256_extracti128_si256(sym, 1));
             _mm_storel_epi64((__m128i *)(s + 8 * v), _mm_packus_epi16(packed, packed));
         }
-        for (int round = 0; round < 2; round++)
-            for (int v = 0; v < NV; v++) { /* the lanes below RANS_LOW take the next bytes, in lane order */
+        /* the lanes below RANS_LOW take the next bytes, in lane order; those below 2^15 need a second round */
+        unsigned second = 0;
+        for (int round = 0; round < 2 && (round == 0 || second); round++)
+            for (int v = 0; v < NV; v++) {
                 __m256i refill = _mm256_cmpgt_epi32(low, x[v]);
                 unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(refill));
-                __m256i which = popcount32(_mm256_and_si256(_mm256_set1_epi32((int)mask), below));
+                __m256i which = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g->refill_index[mask]));
                 __m256i in = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g->bytes + bp))), which);
+                second |= (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(low15, x[v])));
                 x[v] = _mm256_blendv_epi8(x[v], _mm256_or_si256(_mm256_slli_epi32(x[v], 8), in), refill);
                 bp += (size_t)__builtin_popcount(mask);
             }

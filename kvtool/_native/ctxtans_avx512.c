@@ -20,6 +20,7 @@
 AVX512_INLINE int group_w(lane_group *g, const int NV) {
     const __m512i slot_mask = _mm512_set1_epi32(T - 1), twelve = _mm512_set1_epi32(0xFFF), first = _mm512_set1_epi32(63);
     const __m512i fifteen = _mm512_set1_epi32(15), two = _mm512_set1_epi32(2), low = _mm512_set1_epi32(RANS_LOW);
+    const __m512i low15 = _mm512_set1_epi32(RANS_LOW >> 8);
     const int *bucket = (const int *)g->bucket, *fcx = (const int *)g->fcx;
     __m512i x[4], model[4], cls[4];
     for (int v = 0; v < NV; v++) {
@@ -56,10 +57,13 @@ AVX512_INLINE int group_w(lane_group *g, const int NV) {
             model[v] = _mm512_add_epi32(cls[v], _mm512_srli_epi32(fc, 24));
             _mm_storeu_si128((__m128i *)(s + 16 * v), _mm512_cvtepi32_epi8(sym));
         }
-        for (int round = 0; round < 2; round++)
-            for (int v = 0; v < NV; v++) { /* the lanes below RANS_LOW take the next bytes, in lane order */
+        /* the lanes below RANS_LOW take the next bytes, in lane order; those below 2^15 need a second round */
+        unsigned second = 0;
+        for (int round = 0; round < 2 && (round == 0 || second); round++)
+            for (int v = 0; v < NV; v++) {
                 __mmask16 refill = _mm512_cmplt_epu32_mask(x[v], low);
                 __m512i in = _mm512_maskz_expand_epi32(refill, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g->bytes + bp))));
+                second |= _cvtmask16_u32(_mm512_cmplt_epu32_mask(x[v], low15));
                 x[v] = _mm512_mask_or_epi32(x[v], refill, _mm512_slli_epi32(x[v], 8), in);
                 bp += (size_t)__builtin_popcount(_cvtmask16_u32(refill));
             }

@@ -38,46 +38,48 @@ static void symbols(const kvn_block *b, const uint8_t *src, const split *sp, uin
     }
 }
 
-/* 16 classes' costs of a symbol in 16-bit lanes (a GCC vector: one AVX2 register, two SSE2 ones). */
-typedef uint16_t cost_vec __attribute__((vector_size(32)));
+/* 16 classes' costs of a symbol as bytes (a cost row holds 32 or 64), and their sums in 16-bit lanes: GCC
+ * vectors (__builtin_convertvector: GCC 9, Clang 3.9). */
+typedef uint8_t cost_bytes __attribute__((vector_size(16)));
+typedef uint16_t cost_sums __attribute__((vector_size(32)));
 
-/* Adds the v-th cost_vec of a cost row to *run. */
-#define ADD_COSTS(run, row, v)                                   \
-    do {                                                         \
-        cost_vec costs_;                                         \
-        memcpy(&costs_, (row) + (v) * sizeof(costs_), sizeof(costs_)); \
-        run += costs_;                                           \
+/* Adds the costs of 16 classes at `at` to `run`. */
+#define ADD_COSTS(run, at)                                                  \
+    do {                                                                    \
+        cost_bytes costs_;                                                  \
+        memcpy(&costs_, (at), sizeof(costs_));                              \
+        run += __builtin_convertvector(costs_, cost_sums);                  \
     } while (0)
 
 /* Each channel's class, the cheapest for its coded symbols in their contexts (the lowest on a tie);
- * returns the summed cost of the choices in 1/8 bits. A cost row holds 16 * NV classes, summed in NV
- * cost_vecs COST_RUN tokens at a time, then in 64 bits. */
+ * returns the summed cost of the choices in 1/8 bits. A cost row holds 32 * NB classes' costs (a byte each:
+ * 32 KiB in all for 32 classes and 16 contexts, a core's first cache), summed in 2 * NB cost_sums COST_RUN
+ * tokens at a time, then in 64 bits. */
 KVN_INLINE uint64_t choose_classes_w(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym,
-                                     const uint32_t *back, uint8_t *cls, const int NV) {
-    size_t H = b->heads, D = b->dim, C = H * D, row_bytes = (size_t)NV * sizeof(cost_vec);
-    const uint8_t *costs = (const uint8_t *)m->cost;
+                                     const uint32_t *back, uint8_t *cls, const int NB) {
+    size_t H = b->heads, D = b->dim, C = H * D, row_bytes = (size_t)NB * 32;
     uint64_t total = 0;
     for (size_t c = 0; c < C; c++) {
         size_t h = c / D;
         int64_t sum[COST_LANES] = {0};
-        cost_vec r0 = {0}, r1 = {0}, r2 = {0}, r3 = {0}; /* in registers: no array, no address taken */
+        cost_sums r0 = {0}, r1 = {0}, r2 = {0}, r3 = {0}; /* in registers: no array, no address taken */
         size_t in_run = 0;
         for (size_t t = 0; t < b->tokens; t++) {
             if (!back[t * H + h]) {
                 size_t ctx = t ? m->context_of[sym[(t - 1) * C + c]] : (size_t)m->start_context;
-                const uint8_t *row = costs + (ctx * KVN_TANS_SYMBOLS + sym[t * C + c]) * row_bytes;
-                ADD_COSTS(r0, row, 0);
-                ADD_COSTS(r1, row, 1);
-                if (NV == 4) {
-                    ADD_COSTS(r2, row, 2);
-                    ADD_COSTS(r3, row, 3);
+                const uint8_t *row = m->cost + (ctx * KVN_TANS_SYMBOLS + sym[t * C + c]) * row_bytes;
+                ADD_COSTS(r0, row);
+                ADD_COSTS(r1, row + 16);
+                if (NB == 2) {
+                    ADD_COSTS(r2, row + 32);
+                    ADD_COSTS(r3, row + 48);
                 }
             }
             if (++in_run == COST_RUN || t + 1 == b->tokens) {
-                cost_vec runs[4] = {r0, r1, r2, r3};
+                cost_sums runs[4] = {r0, r1, r2, r3};
                 const uint16_t *lanes = (const uint16_t *)runs;
-                for (int k = 0; k < 16 * NV; k++) sum[k] += lanes[k];
-                r0 = r1 = r2 = r3 = (cost_vec){0};
+                for (int k = 0; k < 32 * NB; k++) sum[k] += lanes[k];
+                r0 = r1 = r2 = r3 = (cost_sums){0};
                 in_run = 0;
             }
         }
@@ -96,7 +98,7 @@ KVN_INLINE uint64_t choose_classes_w(const kvn_tans_model *m, const kvn_block *b
 KVN_TANS_MULTIVERSION
 static uint64_t choose_classes(const kvn_tans_model *m, const kvn_block *b, const uint8_t *sym, const uint32_t *back,
                                uint8_t *cls) {
-    return m->cost_lanes == 32 ? choose_classes_w(m, b, sym, back, cls, 2) : choose_classes_w(m, b, sym, back, cls, 4);
+    return m->cost_lanes == 32 ? choose_classes_w(m, b, sym, back, cls, 1) : choose_classes_w(m, b, sym, back, cls, 2);
 }
 
 /* The bits a Huffman code of the chunk's own counts of the coded symbols would take. */
@@ -144,7 +146,9 @@ KVN_INLINE void escapes_and_raw_w(const kvn_block *b, const uint8_t *src, const 
         for (size_t h = 0; h < H; h++) {
             if (back[t * H + h]) continue;
             const uint8_t *row = src + (h * b->head_stride + t * D) * width, *s = sym + t * C + h * D;
-            for (size_t d = 0; d < D; d++)
+            unsigned escapes = 0; /* rare: a vectorised look first */
+            for (size_t d = 0; d < D; d++) escapes |= !(s[d] % LEVELS);
+            for (size_t d = 0; escapes && d < D; d++)
                 if (!(s[d] % LEVELS)) {
                     uint32_t level = (load(row + d * width, width) >> sp->raw_bits) & (sp->level_count - 1);
                     esc[2 * *n_esc] = (uint8_t)level;

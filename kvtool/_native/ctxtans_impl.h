@@ -53,7 +53,8 @@ struct kvn_tans_model {
     uint32_t *fcx;    /* version 3, per model and symbol: g | cum << 12 | context_of[symbol] << 24 */
     uint32_t *rcp;    /* version 3's encoder, per model and symbol: the reciprocal of g (x / g = x * rcp >> 32 >> shift) */
     uint32_t *rec;    /* version 3's encoder, per model and symbol: g | shift << 12 | bias << 16 */
-    int16_t *cost;    /* [contexts * 64][cost_lanes]: classes' costs, zero padded */
+    uint8_t refill_index[256][8]; /* version 3's AVX2 decoder: per mask of 8 lanes, which of the next bytes each takes */
+    uint8_t *cost;    /* [contexts * 64][cost_lanes]: classes' costs (at most 8 * 11), zero padded */
     int cost_lanes;
     int32_t class_cost[KVN_TANS_MAX_CLASSES];
     uint8_t context_of[KVN_TANS_SYMBOLS];

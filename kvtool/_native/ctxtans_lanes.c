@@ -27,6 +27,8 @@ int kvn_lanes_tables(kvn_tans_model *m, const uint16_t *g, const uint16_t *start
         m->rcp[i] = f > 1 ? (uint32_t)(((1ull << (shift + 31)) + f - 1) / f) : 0xFFFFFFFFu;
         m->rec[i] = f | (f > 1 ? shift - 1 : 0) << 12 | (f > 1 ? cum : cum + T - 1) << 16;
     }
+    for (unsigned mask = 0; mask < 256; mask++)
+        for (unsigned lane = 0; lane < 8; lane++) m->refill_index[mask][lane] = (uint8_t)__builtin_popcount(mask & ((1u << lane) - 1));
     for (size_t k = 0; k < m->class_model; k++) /* symbol models: every frequency 1 or more */
         for (uint32_t b = 0; b < BUCKETS; b++) {
             uint32_t first = 0, e = 0;
@@ -189,7 +191,7 @@ int kvn_tans_lanes_decode(const kvn_tans_model *m, const kvn_block *b, const lan
     size_t D = b->dim, C = b->heads * D;
     if (D > 65536) return KVN_ERR_ARG; /* a channel's place within its head is 16 bits */
     if (c->stream_len < 4 * LANES) return KVN_ERR_CORRUPT;
-    lane_group g = {m->bucket, m->fcx, m->context_of, NULL, b->heads, b->tokens, 0, C, NULL, c->stream + 4 * LANES,
+    lane_group g = {m->bucket, m->fcx, m->refill_index, m->context_of, NULL, b->heads, b->tokens, 0, C, NULL, c->stream + 4 * LANES,
                     c->stream_len - 4 * LANES, 0, {0}, {0}, {0}};
     for (int k = 0; k < LANES; k++) {
         g.x[k] = kvn_rd32(c->stream + 4 * k);

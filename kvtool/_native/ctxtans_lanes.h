@@ -25,6 +25,7 @@ KVN_INLINE unsigned bucket_symbol(const uint32_t *bucket, uint32_t model, uint32
 
 typedef struct {
     const uint32_t *bucket, *fcx; /* the model's tables */
+    const uint8_t (*refill_index)[8]; /* per mask of 8 lanes that take a byte: each lane's byte among them */
     const uint8_t *context_of;
     const uint32_t *back;         /* back[t * back_stride]: the repeat distance of the group's head's row t */
     size_t back_stride, tokens, lanes, sym_stride;
