@@ -7,6 +7,9 @@ numpy reference of the same formats (``kvtool._native.reference``; ctxans's is
 ``kvtool.modeldict.ctxans_reference``), which writes and reads the same bytes,
 slowly, and says so once in a warning. A core built from other sources (another
 job layout, other ctxans constants) is refused.
+
+Some kernels have variants for SIMD instruction sets (``ISAS``), which write and read the
+same bytes; the core runs the best the CPU has, or no better than ``KVTOOL_SIMD`` allows.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ INT_JOB_DTYPE = np.dtype(
 DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 
 _DISABLED = ("0", "false", "no", "off")
+#: The instruction sets of the core's SIMD kernel variants, in order (the core's enum kvn_isa).
+ISAS = ("scalar", "avx2", "avx512")
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,6 +113,24 @@ def status() -> str:
 @functools.lru_cache(maxsize=1)
 def _warn_once(reason: str) -> None:
     warnings.warn(f"kvtool's native core is {reason}; using the slower numpy reference", RuntimeWarning, stacklevel=3)
+
+
+def isa_limit() -> int:
+    """The best instruction set (an index of ``ISAS``) the core's kernels may use: ``KVTOOL_SIMD``'s, else the best."""
+    name = os.environ.get("KVTOOL_SIMD", "").strip().lower()
+    if not name:
+        return len(ISAS) - 1
+    if name not in ISAS:
+        from kvtool.errors import UsageError
+
+        raise UsageError(f"KVTOOL_SIMD must be one of {', '.join(ISAS)}, not {name!r}")
+    return ISAS.index(name)
+
+
+def isa_here() -> str:
+    """The instruction set the core's SIMD kernels run here (the CPU's best, within ``KVTOOL_SIMD``), by name."""
+    module = core()
+    return ISAS[min(module.isa_best(), isa_limit())] if module is not None else "none (no native core)"
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:
