@@ -34,10 +34,10 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
-from kvtool.entries import Miss, put_cache, restore_into
+from kvtool.entries import Miss, put_cache
 from kvtool.entries.names import ChunkName
 from kvtool.errors import KvtoolError
-from kvtool.integrations.lmcache.chunks import ChunkLayout
+from kvtool.integrations.lmcache.chunks import ChunkLayout, restore_chunk
 from kvtool.integrations.lmcache.index import ChunkIndex, Counters, reindex
 from kvtool.integrations.lmcache.settings import OPTIONS, AdapterSettings
 from kvtool.modeldict import registry as dictionaries
@@ -291,7 +291,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             log.warning("kvtool L2 adapter: cannot write chunk %s into its destination (%s); a miss", name.key, exc)
             self.counters.add("load_failures", label="mismatch")
             return False
-        restored = restore_into(self._store, name.key, layout.expected(), layout.destination(out), threads=threads)
+        restored = restore_chunk(self._store, name.key, layout, out, threads=threads)
         if not restored.ok:
             assert restored.miss is not None
             if restored.miss.value in ("damaged", "undecodable"):
