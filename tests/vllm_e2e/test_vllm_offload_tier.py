@@ -117,8 +117,9 @@ class Engine:
         self.manager.on_new_request(self.req)
 
     def step(self) -> None:
-        """End one scheduler step after the tier's jobs have run (vLLM polls them each step)."""
-        self.tier.drain_jobs()
+        """End one scheduler step after the tier's jobs have run and its chunks are stored (vLLM polls jobs each
+        step; the copies of stored rows are coded and stored behind the jobs)."""
+        self.tier.wait_stored()
         self.manager.on_schedule_end(END_OF_STEP)
 
     def store(self, keys: list[bytes], chunks: list[np.ndarray]) -> list[bytes]:
