@@ -307,6 +307,9 @@ class FileStore(Store):
         raw = staged.meta.get("raw_bytes")
         raw = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
 
+        with self._pin_lock:
+            pinned = set(self._pinned)  # this process's pins: kept when room is made
+
         def publish(db: sqlite3.Connection) -> tuple[list[str], list[str], int]:
             self._write_touches(db)
             clock = advance_clock(db)
@@ -314,7 +317,7 @@ class FileStore(Store):
             entries, used = db.execute("SELECT entries, bytes FROM totals").fetchone()
             if old is not None:
                 entries, used = entries - 1, used - old[1]
-            victims, names, freed = drop_coldest(db, staged.key, used + staged.size, self.capacity)
+            victims, names, freed = drop_coldest(db, {staged.key, *pinned}, used + staged.size, self.capacity)
             db.execute(
                 "INSERT OR REPLACE INTO entries (key, file, size, raw_bytes, meta, access) VALUES (?, ?, ?, ?, ?, ?)",
                 (staged.key, staged.name, staged.size, raw, json.dumps(staged.meta, sort_keys=True), clock),
