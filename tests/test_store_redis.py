@@ -218,3 +218,25 @@ def test_a_write_refused_with_nothing_to_evict_is_counted_and_the_server_stays_u
         assert stats["put_refused"] == 3 and stats["put_failures"] == 3 and stats["errors"] == 0
         assert stats["server_refused_writes"] >= 3
     assert caplog.text.count("write for lack of memory, with no room to make") == 3
+
+
+def test_the_maxmemory_benchmark_in_short_stores_nearly_every_put_and_reports_every_refusal():
+    """benchmarks/redis_maxmemory.py as CI runs it: four writing processes, a working set three times the room,
+    under Redis's default policy and under allkeys-lru (BENCHMARKS.md has the long runs)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "redis_maxmemory.py"
+    run = subprocess.run([sys.executable, str(script), "--budget-mib", "4", "--writers", "4", "--passes", "2",
+                          "--json"], capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(run.stdout.strip().splitlines()[-1])["cases"]
+    assert [c["policy"] for c in cases] == ["noeviction", "allkeys-lru"]
+    for case in cases:
+        assert case["working_set_bytes"] >= 3 * case["budget_bytes"]
+        assert case["unreported"] == 0 and case["stored_share"] >= 0.95, case
+        assert case["put_failures"] == case["puts"] - case["stored"]
+    assert cases[0]["evictions"] > 0 and cases[0]["server_refused_writes"] > 0  # the store made the room
+    assert cases[1]["server_evicted_keys"] > 0  # Redis did

@@ -239,10 +239,10 @@ class RedisStore(Store):
         scope = EVERYWHERE if self._is_down(EVERYWHERE) else self._scope(key)
         with self._state_lock:
             room = self._rooms.setdefault(scope, Room())
-        gone, freed = make_room(self._server_of(key), _glob_escape(self.prefix) + "*", self._k(key), need, room)
+        gone, freed, made = make_room(self._server_of(key), _glob_escape(self.prefix) + "*", self._k(key), need, room)
         n = len(self.prefix.encode())
         self._evicted([k[n:].decode("utf-8", "replace") for k in gone], freed)
-        return bool(gone)
+        return made
 
     def _delete(self, key: str) -> bool:
         return bool(self._call("delete", key, lambda: self._client.delete(self._k(key)), 0))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 #: Times a write refused for lack of memory makes room and is tried again.
-ROOM_TRIES = 3
+ROOM_TRIES = 5
 #: Keys sampled per ``SCAN`` step when looking for entries to evict.
 SAMPLE = 64
 #: ``SCAN`` steps per attempt at making room, at most (a server with many other keys).
@@ -37,9 +37,10 @@ class Room:
     cursor: int = 0
 
 
-def make_room(client: Any, pattern: str, keep: bytes, need: int, room: Room) -> tuple[list[bytes], int]:
+def make_room(client: Any, pattern: str, keep: bytes, need: int, room: Room) -> tuple[list[bytes], int, bool]:
     """Delete the least recently used keys matching ``pattern`` (not ``keep``) on the server ``client`` talks to
-    until ``need`` bytes are freed or the sample runs out; the keys deleted and the bytes they held."""
+    until ``need`` bytes are freed or the sample runs out: the keys this call deleted, the bytes they held, and
+    whether room was made (also by another writer that deleted the same keys first)."""
     sample: list[bytes] = []
     for _ in range(MAX_STEPS):
         room.cursor, found = client.scan(room.cursor, match=pattern, count=SAMPLE)
@@ -47,7 +48,7 @@ def make_room(client: Any, pattern: str, keep: bytes, need: int, room: Room) -> 
         if len(sample) >= SAMPLE or room.cursor == 0:
             break
     if not sample:
-        return [], 0
+        return [], 0, False
     pipe = client.pipeline(transaction=False)
     for key in sample:
         pipe.object("idletime", key)
@@ -66,7 +67,7 @@ def make_room(client: Any, pattern: str, keep: bytes, need: int, room: Room) -> 
         pipe.delete(sample[i])  # one key a command: a cluster node refuses keys of several slots in one
     deleted = pipe.execute(raise_on_error=False)
     gone = [sample[i] for i, n in zip(victims, deleted) if n == 1]
-    return gone, sum(sizes[i] for i, n in zip(victims, deleted) if n == 1)
+    return gone, sum(sizes[i] for i, n in zip(victims, deleted) if n == 1), bool(victims)
 
 
 def server_memory(clients: Iterable[Any]) -> dict[str, Any]:

@@ -182,7 +182,7 @@ class Scheduler:
         req = req or self.request()
         try:
             out = self.manager.prepare_store(list(keys), req)
-            if out is None:
+            if out is None or not out.keys_to_store:  # no room, or vLLM's CPU tier holds them all
                 return []
             by_key = dict(zip(keys, chunks))
             for key, row in zip(out.keys_to_store, out.store_spec.chunk_ids):
