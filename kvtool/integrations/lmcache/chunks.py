@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -119,7 +119,7 @@ class ChunkLayout:
         """The object's bytes ``out`` (a flat writable uint8 array) as the rows a restore writes (all but the tail)."""
         return Rows([out], self.rows(), [0] * (2 * self.layers))
 
-    def stored_tail(self, provenance: dict) -> bytes | None:
+    def stored_tail(self, provenance: Mapping[str, Any]) -> bytes | None:
         """The tail an entry's provenance keeps, if it is the one this layout needs (none for an even size)."""
         text = provenance.get("tail", "")
         if not isinstance(text, str) or len(text) != 2 * self.tail:
