@@ -119,8 +119,9 @@ def test_a_load_job_reports_exactly_the_chunks_it_restored(engine, sample):
     keys = [offload_key(i) for i in range(3)]
     chunks = [engine.chunk(sample, i) for i in range(3)]
     engine.store(keys, chunks)
-    engine.tier.wait_stored()
+    engine.settle()  # their rows free again: the next store evicts them
     engine.store([offload_key(10 + i) for i in range(PRIMARY)], [engine.chunk(sample, 10 + i) for i in range(PRIMARY)])
+    engine.settle()
     engine.tier.wait_stored()  # the three left vLLM's CPU tier: only kvtool holds them
     req = engine.request()
     # vLLM's lookups until each is a hit in kvtool's tier (its promotion queued); only the tier's lookups are
@@ -141,9 +142,13 @@ def test_a_load_job_reports_exactly_the_chunks_it_restored(engine, sample):
 
 def test_every_job_is_reported_once_as_it_finishes_and_drain_waits_for_all(engine, sample, monkeypatch):
     engine.store([offload_key(i) for i in range(3)], [engine.chunk(sample, i) for i in range(3)])
+    engine.settle()  # their rows free again: the next store evicts them
     engine.store([offload_key(10 + i) for i in range(PRIMARY)], [engine.chunk(sample, 10 + i) for i in range(PRIMARY)])
     engine.settle()
     engine.tier.wait_stored()
+    req = engine.request()
+    assert engine.primary.lookup(offload_key(0), req) is LookupResult.MISS  # only kvtool holds it
+    engine.finish(req)
     engine.results.clear()
     release = threading.Event()
     load_row = tier_module.load_row
@@ -186,6 +191,7 @@ def test_vllm_may_evict_and_reuse_a_row_once_its_store_job_is_reported(tmp_path,
         assert engine.results and engine.results[0].success and not engine.stored(key)
         others = [offload_key(100 + i) for i in range(PRIMARY)]
         engine.store(others, [engine.chunk(sample, 100 + i) for i in range(PRIMARY)])  # evicts it, reuses its row
+        engine.settle()  # (their jobs reported: the rows free for the promotion below)
         req = engine.request()
         assert engine.primary.lookup(key, req) is LookupResult.MISS
         engine.finish(req)
