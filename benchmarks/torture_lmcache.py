@@ -41,7 +41,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from torture import Engine, Round, build_workload, compare, engine_spec, run_rounds
+from torture import (Engine, Round, build_workload, compare, engine_spec, report, run_rounds, show_progress,
+                     workload_arguments)
 from torture_faults import Cluster, Faults, Redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,12 +152,7 @@ def run(args: argparse.Namespace) -> dict:
                 injector.inject(rnd.fault, restart_server)
 
         def progress(number: int, outputs: list) -> None:
-            done = [(got, want) for r in range(number + 1) for b, batch in enumerate(outputs[r])
-                    for got, want in zip(batch, reference_out[r][b])]
-            print(f"round {number + 1}/{len(rounds)}: {len(done)} requests, "
-                  f"{sum(got['restored'] > 0 for got, _ in done)} restored, "
-                  f"{sum(got['tokens'] != want['tokens'] for got, want in done)} differ, faults {counts}, "
-                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+            show_progress(number, len(rounds), outputs, reference_out, counts, started)
 
         # One engine: the rounds a fault splits in two run one after the other on it.
         kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round, progress)
@@ -186,27 +182,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="workload seed (printed)")
-    parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--concurrency", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--fault-rate", type=float, default=0.5, help="chance of a fault before each round")
-    parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
+    workload_arguments(parser, FAULTS, [16, 32, 64, 128])
     parser.add_argument("--chunk-sizes", type=int, nargs="*", default=[128, 256], help="LMCache's chunk sizes")
-    parser.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64, 128])
-    parser.add_argument("--max-prompt-chars", type=int, default=5000, help="a prompt's length at most")
-    parser.add_argument("--file-capacity-mib", type=int, default=64, help="the file tier's capacity")
-    parser.add_argument("--model", default=str(ROOT / "out" / "smollm2-135m"))
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, store)")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
     print(f"lmcache torture: seed {args.seed}, {args.requests} requests", file=sys.stderr, flush=True)
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for name, value in result.items():
-            print(f"{name:24} {value}")
+    report(result, args.json)
     return 1 if result["wrong"] else 0
 
 

@@ -26,7 +26,6 @@ a table; the exit status is 1 when anything was wrong.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -37,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from torture import report
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = {"store": 30, "fetch": 50, "drop": 6, "damage": 3, "truncate": 3, "reset": 1, "restart": 1}
@@ -208,11 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"tier torture: seed {args.seed}, {args.ops} operations", file=sys.stderr, flush=True)
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for name, value in result.items():
-            print(f"{name:24} {value}")
+    report(result, args.json)
     return 1 if result["wrong"] or result["hit_mismatch"] else 0
 
 
