@@ -445,6 +445,10 @@ def test_a_pin_holds_in_a_shared_file_tier_that_makes_room_by_itself(tmp_path):
         for i in range(8, 12):
             store.put(f"k{i}", _value(i))
         assert not store.contains("pinned")
+        held = [key for key in store.keys()]
+        assert all(store.pin(key) for key in held)
+        assert not store.put("one-too-many", _value(99))  # no room beside the pinned entries: refused, none dropped
+        assert sorted(store.keys()) == sorted(held)
 
 
 def test_pin_unknown_key_is_false(tmp_path):
