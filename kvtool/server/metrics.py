@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kvtool.server.guards import App, Message, Receive, Scope, Send
 from kvtool.store import TieredStore
 
-_TIER_COUNTERS = ("hits", "misses", "puts", "put_failures", "deletes", "evictions", "corrupt", "errors",
+_TIER_COUNTERS = ("hits", "misses", "puts", "put_failures", "put_refused", "deletes", "evictions", "corrupt", "errors",
                   "bytes_stored", "bytes_read")
 
 

@@ -307,6 +307,9 @@ class FileStore(Store):
         raw = staged.meta.get("raw_bytes")
         raw = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
 
+        with self._pin_lock:
+            pinned = set(self._pinned)  # this process's pins: kept when room is made
+
         def publish(db: sqlite3.Connection) -> tuple[list[str], list[str], int]:
             self._write_touches(db)
             clock = advance_clock(db)
@@ -314,7 +317,9 @@ class FileStore(Store):
             entries, used = db.execute("SELECT entries, bytes FROM totals").fetchone()
             if old is not None:
                 entries, used = entries - 1, used - old[1]
-            victims, names, freed = drop_coldest(db, staged.key, used + staged.size, self.capacity)
+            victims, names, freed = drop_coldest(db, {staged.key, *pinned}, used + staged.size, self.capacity)
+            if self.capacity is not None and used - freed + staged.size > self.capacity:
+                raise _NoRoom  # the entries pinned here fill the room: rolled back, nothing dropped
             db.execute(
                 "INSERT OR REPLACE INTO entries (key, file, size, raw_bytes, meta, access) VALUES (?, ?, ?, ?, ?, ?)",
                 (staged.key, staged.name, staged.size, raw, json.dumps(staged.meta, sort_keys=True), clock),
@@ -323,7 +328,13 @@ class FileStore(Store):
                        (entries - len(victims) + 1, used - freed + staged.size))
             return victims, names + ([old[0]] if old is not None else []), freed
 
-        result = self._index.transaction(publish, None)
+        try:
+            result = self._index.transaction(publish, None)
+        except _NoRoom:
+            log.warning("%s: not storing %r: the entries pinned by this process fill the capacity", self.name,
+                        staged.key)
+            _unlink(self._entries / staged.name)
+            return False
         if result is None:
             log.warning("%s: cannot index entry %r; not stored, any old value kept", self.name, staged.key)
             _unlink(self._entries / staged.name)
@@ -359,6 +370,10 @@ class FileStore(Store):
             first = advance_clock(db, len(touched)) - len(touched) + 1
             db.executemany("UPDATE entries SET access = ? WHERE key = ?",
                            [(first + i, key) for i, key in enumerate(touched)])
+
+
+class _NoRoom(Exception):
+    """A write that would not fit beside the entries this process pinned (raised inside the index transaction)."""
 
 
 class _Staged:

@@ -157,8 +157,9 @@ def advance_clock(db: sqlite3.Connection, ticks: int = 1) -> int:
     return clock
 
 
-def drop_coldest(db: sqlite3.Connection, keep: str, need: int, capacity: int | None) -> tuple[list[str], list[str], int]:
-    """Delete the least recently used rows (never ``keep``'s) until ``need`` bytes of use fit ``capacity``.
+def drop_coldest(db: sqlite3.Connection, keep: set[str], need: int,
+                 capacity: int | None) -> tuple[list[str], list[str], int]:
+    """Delete the least recently used rows (never those of ``keep``) until ``need`` bytes of use fit ``capacity``.
 
     Returns the keys dropped, their files (for the caller to unlink after the commit) and the bytes freed.
     """
@@ -167,10 +168,12 @@ def drop_coldest(db: sqlite3.Connection, keep: str, need: int, capacity: int | N
     freed = 0
     if capacity is None or need <= capacity:
         return victims, names, freed
-    rows = db.execute("SELECT key, file, size FROM entries WHERE key != ? ORDER BY access", (keep,))
+    rows = db.execute("SELECT key, file, size FROM entries ORDER BY access")
     for key, name, size in rows:
         if need - freed <= capacity:
             break
+        if key in keep:
+            continue
         victims.append(key)
         names.append(name)
         freed += size

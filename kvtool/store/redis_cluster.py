@@ -112,6 +112,10 @@ class RedisClusterStore(RedisStore):
         client = self._client
         return [(node.name, client.get_redis_connection(node)) for node in client.get_primaries()]
 
+    def _server_of(self, key: str) -> Any:
+        client = self._client
+        return client.get_redis_connection(client.get_node_from_key(self._k(key)))
+
     def _redirected(self, exc: Exception) -> bool:
         if isinstance(exc, (AskError, TryAgainError)):  # MOVED is an AskError in redis-py
             self._client.nodes_manager.initialize()

@@ -169,10 +169,23 @@ class RowLayout:
 def chunk_namer(config: Any, recipe: str, layout: RowLayout, model: str | None = None) -> ChunkNamer:
     """The store keys of the chunks of vLLM's ``OffloadingConfig`` ``config``, coded with ``recipe`` in rows of
     ``layout`` (``kvtool.entries.names.ChunkNamer``); ``model`` names the model instead of vLLM's own name."""
-    par = config.parallel
     return ChunkNamer(
         model or str(config.model.name), str(config.model.dtype), recipe,
         f"{config.cache.tokens_per_hash}/{layout.block_tokens}/{layout.tokens}",
-        f"world={par.world_size},tp={par.tp_size},copies={layout.copies}",
-        layout.signature(),
+        parallel_part(config, layout), layout.signature(),
     )
+
+
+def parallel_part(config: Any, layout: RowLayout) -> str:
+    """What a chunk's key binds of the parallel layout: only what changes the row's bytes.
+
+    A row of one copy (one worker, or vLLM's ``replicated_layout``, where every worker
+    holds the same bytes, such as an MLA latent) holds the whole model's KV of its
+    blocks, the same bytes at any tensor-parallel size: it keeps the key a single
+    worker's chunk has always had, so servers of every TP size share it. A row of one
+    cell per worker holds each worker's shard of the heads: it binds world and TP size.
+    """
+    if layout.copies == 1:
+        return "world=1,tp=1,copies=1"
+    par = config.parallel
+    return f"world={par.world_size},tp={par.tp_size},copies={layout.copies}"
