@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -24,17 +25,30 @@ from kvtool.testing.arraycodecs import DTYPES
 needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
 
 
-def vector_levels() -> Iterator[str]:
-    """Runs the caller's loop body once at each vector level of the core's kernels that this CPU has (the portable
-    one everywhere), naming it; the level in use before is restored after."""
+def levels_here() -> range:
+    """The core's vector levels (indexes of ``_native.ISAS``) this process may run: every one up to the level in use,
+    which is the CPU's best unless KVTOOL_SIMD holds it lower; the scalar one everywhere."""
+    return range(_native.core().isa() + 1)
+
+
+@contextmanager
+def at_level(level: int) -> Iterator[None]:
+    """Every kernel of the core runs at vector level `level` (one of ``levels_here()``) inside; the level before is
+    restored after."""
     core = _native.core()
-    best = core.isa()
+    before = core.isa()
     try:
-        for level in range(best + 1):
-            core.isa(level)
-            yield _native.ISA_LEVELS[level]
+        assert core.isa(level) == level, f"this process cannot run {_native.ISAS[level]} kernels"
+        yield
     finally:
-        core.isa(best)
+        core.isa(before)
+
+
+def vector_levels() -> Iterator[str]:
+    """Runs the caller's loop body once at each of ``levels_here()``, naming it."""
+    for level in levels_here():
+        with at_level(level):
+            yield _native.ISAS[level]
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import pytest
 
 import kvtool
 from kvtool.errors import UsageError
-from kvtool.integrations.lmcache.chunks import ChunkLayout
-from kvtool.entries import Miss, Restored, put_cache, restore_into
+from kvtool.integrations.lmcache.chunks import ChunkLayout, restore_chunk
+from kvtool.entries import Miss, Restored, put_cache
 from kvtool.entries.names import ChunkName
 from kvtool.store import Store, open_store
 from kvtool.integrations.lmcache.settings import AdapterSettings
@@ -37,7 +37,7 @@ def put_chunk(store: Store, data: np.ndarray, layout: ChunkLayout, recipe: str) 
 
 
 def load_chunk(store: Store, layout: ChunkLayout, out: np.ndarray) -> Restored:
-    return restore_into(store, "chunk", layout.expected(), layout.destination(out))
+    return restore_chunk(store, "chunk", layout, out)
 
 
 @pytest.mark.parametrize("sample", ["code.safetensors", "prose.safetensors"])
@@ -89,9 +89,31 @@ def test_anything_else_is_kept_as_bytes(shapes, dtypes, nbytes):
     assert out.tobytes() == data.tobytes()
 
 
-def test_odd_sizes_are_refused():
+@pytest.mark.parametrize("nbytes", [0, 1, 2, 7, 13, 4097, 262145])
+@pytest.mark.parametrize("recipe", ["exphuff", "zstd:3"])
+def test_any_size_is_kept_bit_for_bit_even_odd_and_empty(nbytes, recipe):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    layout = ChunkLayout.of([(nbytes,)], ["torch.uint8"], nbytes)
+    assert layout.kind == "bytes" and layout.nbytes == nbytes and layout.tail == nbytes % 2
+    out = np.full_like(data, 0xA5)
+    with open_store("memory://") as store:
+        put_chunk(store, data, layout, recipe)
+        assert load_chunk(store, layout, out).ok
+    assert out.tobytes() == data.tobytes()
+
+
+def test_an_odd_object_never_restores_into_an_even_one_or_back():
+    data = np.arange(13, dtype=np.uint8)
+    odd, even = ChunkLayout.of([(13,)], ["torch.uint8"], 13), ChunkLayout.of([(12,)], ["torch.uint8"], 12)
+    assert odd.expected() == even.expected()  # the same blocks: only the tail tells them apart
+    with open_store("memory://") as store:
+        put_chunk(store, data, odd, "exphuff")
+        out = np.zeros(12, np.uint8)
+        assert load_chunk(store, even, out).miss is Miss.MISMATCH and not out.any()
+        put_chunk(store, data[:12], even, "exphuff")
+        assert load_chunk(store, odd, np.zeros(13, np.uint8)).miss is Miss.MISMATCH
     with pytest.raises(UsageError):
-        ChunkLayout.of([(7,)], ["torch.uint8"], 7)
+        ChunkLayout.of([(7,)], ["torch.uint8"], -1)
 
 
 def test_another_layout_is_a_mismatch_and_damage_is_an_error():

@@ -49,8 +49,8 @@ def scattered_rows(rng: np.random.Generator, count: int, row: int) -> np.ndarray
     offsets[kind < 0.1] = -1
     again = (kind >= 0.1) & (kind < 0.2)
     offsets[again] = rng.choice(offsets[~again], size=int(again.sum())) if (~again).any() else -1
-    half = (kind >= 0.2) & (kind < 0.25)
-    offsets[half] = offsets[half] // row * row + row // 2
+    half = (kind >= 0.2) & (kind < 0.25) & (offsets >= row // 2)
+    offsets[half] -= row // 2  # still inside the buffer: half over the slot before
     return offsets.astype(np.int64)
 
 
@@ -150,8 +150,21 @@ def test_a_wrong_raw_checksum_is_still_caught(samples):
         assert rows_error.value.reason == arena_error.value.reason == "checksum", level
 
 
-def test_the_portable_kernels_can_be_forced():
-    """KVTOOL_NATIVE_ISA=portable holds every kernel to plain C, which reads what the reference wrote."""
+def test_the_level_is_capped_never_raised_past_the_cpu():
+    """One level for every kernel: a cap at any level this process runs is the level in use, and no cap runs the
+    CPU's best, never above it."""
+    before = core.isa()
+    try:
+        best = core.isa(len(_native.ISAS))
+        assert before <= best < len(_native.ISAS)
+        for level in range(best + 1):
+            assert core.isa(level) == level and _native.isa_here() == _native.ISAS[level]
+    finally:
+        core.isa(before)
+
+
+def test_the_scalar_kernels_can_be_forced():
+    """KVTOOL_SIMD=scalar holds every kernel to portable C, which reads what the reference wrote."""
     script = (
         "import numpy as np; from kvtool import _native; from kvtool._native import reference;"
         "b = (np.random.default_rng(0).standard_normal((2, 50, 24)) * 3).astype(np.float32);"
@@ -159,6 +172,6 @@ def test_the_portable_kernels_can_be_forced():
         "s = _native.core().exphuff_decode(c, o.reshape(-1).view(np.uint8), 2, *b.shape);"
         "print(_native.status(), s, o.tobytes() == b.tobytes())"
     )
-    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVTOOL_NATIVE_ISA": "portable"},
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "KVTOOL_SIMD": "scalar"},
                          capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["native", "(C,", "portable)", "0", "True"]
+    assert out.split() == ["native", "(C,", "scalar", "kernels)", "0", "True"]

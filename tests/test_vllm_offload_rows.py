@@ -98,8 +98,27 @@ def test_keys_bind_everything_the_bytes_depend_on():
         chunk_namer(config(), "zstd:3", layout),
         chunk_namer(config(model=SimpleNamespace(name="other", dtype="bfloat16")), "exphuff", layout),
         chunk_namer(config(), "exphuff", RowLayout.from_config(config(), stride(), False, None)),
-        chunk_namer(config(parallel=two_workers()), "exphuff", layout),
+        chunk_namer(config(parallel=two_workers()), "exphuff",
+                    RowLayout.from_config(config(parallel=two_workers()), stride(2), False, DIM)),
         chunk_namer(config(), "exphuff", layout, model="served-name"),
     ]
     assert len({namer.key(key)} | {n.key(key) for n in others}) == 1 + len(others)
     assert namer.key(key) != namer.key(b"h" * 32 + (1).to_bytes(4, "big"))  # the KV cache group
+
+
+def workers(n: int) -> SimpleNamespace:
+    return SimpleNamespace(world_size=n, tp_size=n, pp_size=1, pcp_size=1, dcp_size=1)
+
+
+def test_one_copy_is_shared_by_every_tp_size_a_shard_by_none():
+    """vLLM's replicated_layout keeps one copy of KV every worker holds alike (an MLA latent): the
+    same bytes as one worker's row, at any TP size. Sharded rows hold one cell per worker."""
+    key = b"h" * 32 + (0).to_bytes(4, "big")
+    one_copy = {chunk_namer(config(parallel=workers(n)), "exphuff",
+                            RowLayout.from_config(config(parallel=workers(n)), stride(1), n > 1, DIM)).key(key)
+                for n in (1, 2, 4, 8)}
+    assert len(one_copy) == 1
+    sharded = {chunk_namer(config(parallel=workers(n)), "exphuff",
+                           RowLayout.from_config(config(parallel=workers(n)), stride(n), False, DIM)).key(key)
+               for n in (2, 4, 8)}
+    assert len(sharded) == 3 and not sharded & one_copy

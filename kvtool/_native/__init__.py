@@ -1,15 +1,17 @@
 """kvtool's native core: the C kernels of the hot path, and how to reach them.
 
 ``core()`` is the compiled extension (``kvtool._native._core``, built by ``pip
-install`` through setuptools) or ``None`` where it was not built or is turned
-off with ``KVTOOL_NATIVE=0``; kvtool then runs the numpy reference of the same
-formats (``kvtool._native.reference``; ctxans's is ``kvtool.modeldict.ctxans_reference``),
-which writes and reads the same bytes, slowly, and says so once in a warning. A core
-built from other sources (another job layout, other ctxans constants) is refused.
+install`` through setuptools; typed by ``core_api.NativeCore``) or ``None`` where
+it was not built or is turned off with ``KVTOOL_NATIVE=0``; kvtool then runs the
+numpy reference of the same formats (``kvtool._native.reference``; ctxans's is
+``kvtool.modeldict.ctxans_reference``), which writes and reads the same bytes,
+slowly, and says so once in a warning. A core built from other sources (another
+job layout, other ctxans constants) is refused.
 
-The core's kernels use the widest vector instructions the CPU has (``ISA_LEVELS``);
-``KVTOOL_NATIVE_ISA=portable`` (or ``avx2``) holds them to a narrower level, whose
-kernels write the same bytes.
+Kernels with variants for SIMD instruction sets (``ISAS``: exphuff's decoder and row
+merge, the XXH3 checksum, ctxtans's lanes) write and read the same bytes at every level.
+The core picks one level per process, the best the CPU has, held no higher than
+``KVTOOL_SIMD`` when the core is loaded; tests step through every level the CPU has.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import functools
 import importlib
 import os
 import warnings
-from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -26,6 +27,8 @@ import xxhash
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer  # anything with the buffer protocol
+
+    from kvtool._native.core_api import NativeCore
 
 #: One chunk for ``decode_blocks``; the C struct ``job`` in _core.c.
 JOB_DTYPE = np.dtype(
@@ -69,12 +72,12 @@ INT_JOB_DTYPE = np.dtype(
 DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 
 _DISABLED = ("0", "false", "no", "off")
-#: The core's vector levels (enum kvn_isa_level in kvn.h), narrowest first.
-ISA_LEVELS = ("portable", "avx2", "avx512")
+#: The instruction sets of the core's SIMD kernel variants, narrowest first (enum kvn_isa_level in kvn.h).
+ISAS = ("scalar", "avx2", "avx512")
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[ModuleType | None, str]:
+def _load() -> tuple[NativeCore | None, str]:
     if os.environ.get("KVTOOL_NATIVE", "").strip().lower() in _DISABLED:
         return None, "turned off by KVTOOL_NATIVE=0"
     try:
@@ -85,12 +88,8 @@ def _load() -> tuple[ModuleType | None, str]:
             or getattr(module, "INT_JOB_SIZE", None) != INT_JOB_DTYPE.itemsize
             or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
-    level = os.environ.get("KVTOOL_NATIVE_ISA", "").strip().lower()
-    if level in ISA_LEVELS:
-        module.isa(ISA_LEVELS.index(level))
-    elif level:
-        warnings.warn(f"KVTOOL_NATIVE_ISA={level!r} is none of {', '.join(ISA_LEVELS)}; ignored", RuntimeWarning, stacklevel=3)
-    return module, ""
+    module.isa(isa_limit())  # one level for every kernel of this process
+    return cast("NativeCore", module), ""  # the C says nothing of its types: core_api states them
 
 
 def _ctxans_constants() -> dict[str, int]:
@@ -100,7 +99,7 @@ def _ctxans_constants() -> dict[str, int]:
     return NATIVE_CONSTANTS
 
 
-def core() -> ModuleType | None:
+def core() -> NativeCore | None:
     """The compiled core, or None (the reason is in ``status()``); warns once when it is missing."""
     module, reason = _load()
     if module is None and not reason.startswith("turned off"):
@@ -113,12 +112,30 @@ def status() -> str:
     module, reason = _load()
     if module is None:
         return f"numpy reference, slow: native core {reason}"
-    return f"native (C, {ISA_LEVELS[module.isa()]})"
+    return f"native (C, {ISAS[module.isa()]} kernels)"
 
 
 @functools.lru_cache(maxsize=1)
 def _warn_once(reason: str) -> None:
     warnings.warn(f"kvtool's native core is {reason}; using the slower numpy reference", RuntimeWarning, stacklevel=3)
+
+
+def isa_limit() -> int:
+    """The best instruction set (an index of ``ISAS``) the core's kernels may use: ``KVTOOL_SIMD``'s, else the widest."""
+    name = os.environ.get("KVTOOL_SIMD", "").strip().lower()
+    if not name:
+        return len(ISAS) - 1
+    if name not in ISAS:
+        from kvtool.errors import UsageError
+
+        raise UsageError(f"KVTOOL_SIMD must be one of {', '.join(ISAS)}, not {name!r}")
+    return ISAS.index(name)
+
+
+def isa_here() -> str:
+    """The instruction set the core's SIMD kernels run here (the CPU's best, within ``KVTOOL_SIMD``), by name."""
+    module = core()
+    return ISAS[module.isa()] if module is not None else "none (no native core)"
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:

@@ -478,7 +478,7 @@ PyObject *kvn_py_int_codes_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", kvn_py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer, in one piece or in pieces of a given size."},
-    {"isa", kvn_py_isa, METH_VARARGS, "The vector level the kernels use (0 portable, 1 AVX2, 2 AVX-512), capped first if given."},
+    {"isa", kvn_py_isa, METH_VARARGS, "The vector level every kernel uses (0 scalar, 1 AVX2, 2 AVX-512), capped first if given."},
     {"exphuff_encode", py_exphuff_encode, METH_VARARGS, "Encode one C-contiguous block as an exphuff chunk."},
     {"exphuff_decode", py_exphuff_decode, METH_VARARGS, "Decode one exphuff chunk into a C-contiguous block; returns a status."},
     {"encode_blocks", py_encode_blocks, METH_VARARGS, "Encode a tensor's token blocks: (blob, meta)."},

@@ -14,13 +14,14 @@
 typedef struct kvn_tans_model kvn_tans_model;
 
 /* Per model (classes * contexts symbol models, then the class and the reference model):
- * g [64] (u16), start [64] (u16), and per state symbol, nbits (u8) and base (u16), encode (u16);
- * cost [contexts * 64 * classes] and class_cost [classes] (i32); context_of [64].
- * NULL when out of memory or the tables are inconsistent. */
+ * g [64] (u16), start [64] (u16), and per state symbol, nbits (u8) and base (u16) (the tANS tables of
+ * versions 1 and 2); cost [contexts * 64 * classes] and class_cost [classes] (i32); context_of [64]. NULL
+ * when out of memory or the tables are inconsistent. The lane coders (chunk version 3) run the kernels
+ * of kvn_isa()'s level at each call. */
 kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
                                    const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
-                                   const uint16_t *base, const uint16_t *encode, const int32_t *cost,
-                                   const int32_t *class_cost, const uint8_t *context_of, const uint8_t tag[4]);
+                                   const uint16_t *base, const int32_t *cost, const int32_t *class_cost,
+                                   const uint8_t *context_of, const uint8_t tag[4]);
 void kvn_tans_model_free(kvn_tans_model *m);
 
 /* An upper bound on the bytes kvn_tans_encode writes for a block. */

@@ -27,7 +27,7 @@ PyObject *kvn_py_xxh3_64(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
-/* isa(cap=-1) -> the vector level the kernels use (0 portable, 1 AVX2, 2 AVX-512), after capping it at `cap` when given. */
+/* isa(cap=-1) -> the vector level every kernel uses (0 scalar, 1 AVX2, 2 AVX-512), after capping it at `cap` when given. */
 PyObject *kvn_py_isa(PyObject *self, PyObject *args) {
     int level = -1;
     if (!PyArg_ParseTuple(args, "|i", &level)) return NULL;

@@ -26,10 +26,11 @@ static inline uint32_t kvn_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 static inline void kvn_wr64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline void kvn_wr32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
-/* The vector instructions kernels use (isa.c): the best level this CPU has, at most the cap set last. */
-enum kvn_isa_level { KVN_ISA_PORTABLE = 0, KVN_ISA_AVX2 = 1, KVN_ISA_AVX512 = 2 };
+/* The vector instructions kernels use (isa.c), one level for every kernel of the process: the best level
+ * this CPU (and this build) has, at most the cap set last. Every level writes and reads the same bytes. */
+enum kvn_isa_level { KVN_ISA_SCALAR = 0, KVN_ISA_AVX2 = 1, KVN_ISA_AVX512 = 2 };
 int kvn_isa(void);
-int kvn_isa_detected(void);
+int kvn_isa_best(void);
 void kvn_isa_cap(int level);
 
 /* XXH3-64 with seed 0 and the default secret (xxhash_spec.md), the checksum of .kvz chunks. */

@@ -222,11 +222,18 @@ class TieredStore(TierMoves):
         self._check_key_open(key)
         with self._placements.claim(key):  # waits for a move of it to finish
             placement = self._locate(key)
-            return placement is not None and self._placements.pin(placement)
+            if placement is None or not self._placements.pin(placement):
+                return False
+            tier = self._tiers[placement.tier]
+            if tier.shared:  # a shared tier makes room by itself: it must know the pin too
+                tier.pin(key)
+            return True
 
     def unpin(self, key: str) -> bool:
         """True if ``key`` was pinned."""
         self._check_key_open(key)
+        for index in self._shared_tiers():
+            self._tiers[index].unpin(key)
         return self._placements.unpin(key)
 
     def is_pinned(self, key: str) -> bool:

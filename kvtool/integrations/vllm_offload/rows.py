@@ -39,12 +39,7 @@ import numpy as np
 from kvtool.dtypes import DTYPES, DType
 from kvtool.entries.names import ChunkNamer
 from kvtool.errors import UsageError
-
-# vLLM's names of the cache dtype -> kvtool's
-_DTYPES = {
-    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-}
+from kvtool.integrations.vllm.kv_groups import KV_DTYPES as _DTYPES  # vLLM's names of the cache dtype -> kvtool's
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 SUPPORTED_ORDERS = ("LBNHC", "LBHNC")
 
@@ -174,10 +169,23 @@ class RowLayout:
 def chunk_namer(config: Any, recipe: str, layout: RowLayout, model: str | None = None) -> ChunkNamer:
     """The store keys of the chunks of vLLM's ``OffloadingConfig`` ``config``, coded with ``recipe`` in rows of
     ``layout`` (``kvtool.entries.names.ChunkNamer``); ``model`` names the model instead of vLLM's own name."""
-    par = config.parallel
     return ChunkNamer(
         model or str(config.model.name), str(config.model.dtype), recipe,
         f"{config.cache.tokens_per_hash}/{layout.block_tokens}/{layout.tokens}",
-        f"world={par.world_size},tp={par.tp_size},copies={layout.copies}",
-        layout.signature(),
+        parallel_part(config, layout), layout.signature(),
     )
+
+
+def parallel_part(config: Any, layout: RowLayout) -> str:
+    """What a chunk's key binds of the parallel layout: only what changes the row's bytes.
+
+    A row of one copy (one worker, or vLLM's ``replicated_layout``, where every worker
+    holds the same bytes, such as an MLA latent) holds the whole model's KV of its
+    blocks, the same bytes at any tensor-parallel size: it keeps the key a single
+    worker's chunk has always had, so servers of every TP size share it. A row of one
+    cell per worker holds each worker's shard of the heads: it binds world and TP size.
+    """
+    if layout.copies == 1:
+        return "world=1,tp=1,copies=1"
+    par = config.parallel
+    return f"world={par.world_size},tp={par.tp_size},copies={layout.copies}"
