@@ -1,0 +1,134 @@
+"""The chunk part: each LMCache L2 adapter alone, in this process, as LMCache's server drives it; and the decoder alone.
+
+Real SmolLM2 chunks (samples/, laid out as LMCache lays out a chunk: ``[2, layers, 256
+tokens, heads x head_dim]``, 5.9 MB each) are stored in one task and loaded back in one
+task into fresh memory objects (the page cache of the adapter's files dropped first in
+the cold cell), through LMCache's own config parser, factory and event fds, and compared
+bit for bit. Each row: process CPU and wall seconds per GB of KV and per chunk, with the
+adapter's own workers (kvtool's default 2; ``fs`` its asyncio loop), and the bytes held.
+
+The decoder rows decode the same chunks, coded by the adapter's own encoder, in this
+thread with nothing read (the .kvz bytes already in memory): container parsing,
+checksums and the codec, what a load costs beyond its read.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from cells import ADAPTERS, Place
+from pagecache import drop, files, resident_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sample_chunks(count: int) -> list[Any]:
+    sys.path.insert(0, str(ROOT / "tests" / "lmcache_e2e"))
+    from chunk_objects import kv_chunk, memory_obj
+
+    sources = [kv_chunk("code.safetensors"), kv_chunk("prose.safetensors")]
+    return [memory_obj(sources[i % 2].clone()) for i in range(count)]
+
+
+def _wait_store(adapter: Any, task: Any) -> bool:
+    done: dict = {}
+    while task not in done:
+        select.select([adapter.get_store_event_fd()], [], [], 0.01)
+        done.update(adapter.pop_completed_store_tasks())
+    return bool(done[task].is_successful())
+
+
+def _wait_load(adapter: Any, task: Any) -> Any:
+    while (bitmap := adapter.query_load_result(task)) is None:
+        select.select([adapter.get_load_event_fd()], [], [], 0.01)
+    return bitmap
+
+
+def adapters(names: tuple[str, ...], repeats: int, count: int, cold: bool, place_of: Callable[[str], Place],
+             label: str = "") -> list[dict[str, Any]]:
+    import torch
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from timed_adapter import build_inner
+
+    sys.path.insert(0, str(ROOT / "tests" / "lmcache_e2e"))
+    from chunk_objects import empty_like
+
+    chunks = sample_chunks(count)
+    raw = sum(c.get_size() for c in chunks)
+    rows = []
+    for name in names:
+        for repeat in range(repeats):
+            place = place_of(f"chunks-{name}{label}-{repeat}")
+            adapter = build_inner(ADAPTERS[name](place))
+            keys = [ObjectKey(chunk_hash=(repeat << 32 | i).to_bytes(16, "big"), model_name="m", kv_rank=0)
+                    for i in range(count)]
+            try:
+                cpu, wall = time.process_time(), time.perf_counter()
+                stored = _wait_store(adapter, adapter.submit_store_task(keys, chunks))
+                store_cpu, store_wall = time.process_time() - cpu, time.perf_counter() - wall
+                held = sum(p.stat().st_size for p in files(place.folder)) if place.folder else _stored_bytes(adapter)
+                resident = None
+                if cold and place.folder is not None:
+                    drop(place.folder)
+                    resident = resident_bytes(place.folder)
+                outs = [empty_like(c) for c in chunks]
+                cpu, wall = time.process_time(), time.perf_counter()
+                bitmap = _wait_load(adapter, adapter.submit_load_task(keys, outs))
+                load_cpu, load_wall = time.process_time() - cpu, time.perf_counter() - wall
+                exact = stored and len(bitmap.get_indices_list()) == count and all(
+                    torch.equal(o.raw_data, c.raw_data) for o, c in zip(outs, chunks))
+                workers = adapter.report_status().get("workers")
+            finally:
+                adapter.close()
+            gb = raw / 1e9
+            rows.append({"part": "chunks", "config": name + label, "repeat": repeat, "chunks": count, "raw_bytes": raw,
+                         "held_bytes": held, "workers": workers,
+                         "store_cpu_s_per_gb": store_cpu / gb, "store_wall_s_per_gb": store_wall / gb,
+                         "load_cpu_s_per_gb": load_cpu / gb, "load_wall_s_per_gb": load_wall / gb,
+                         "load_wall_s_per_chunk": load_wall / count, "load_cpu_s_per_chunk": load_cpu / count,
+                         "store_wall_s_per_chunk": store_wall / count, "resident_at_load": resident,
+                         "bit_exact": bool(exact)})
+            print(f"chunks {name}{label} #{repeat}: {json.dumps(rows[-1])}", flush=True)
+    return rows
+
+
+def _stored_bytes(adapter: Any) -> int:
+    """A kvtool adapter's bytes written, from its counters (a Redis store has no folder to measure)."""
+    counters = adapter.report_status().get("counters") or {}
+    return int(counters.get("stored_bytes", 0))
+
+
+def decoder(recipes: tuple[str, ...], repeats: int, count: int) -> list[dict[str, Any]]:
+    """The same chunks coded by the adapter's encoder, decoded in this thread from bytes in memory."""
+    import numpy as np
+
+    from kvtool.integrations.lmcache.adapter import layout_of
+    from kvtool.integrations.lmcache.codec import decode_chunk_into, encode_chunk
+
+    chunks = sample_chunks(count)
+    raw = sum(c.get_size() for c in chunks)
+    rows = []
+    for recipe in recipes:
+        layouts = [layout_of(c) for c in chunks]
+        blobs = [encode_chunk(np.frombuffer(c.byte_array, np.uint8), lay, recipe, "m") for c, lay in zip(chunks, layouts)]
+        out = np.empty(chunks[0].get_size(), np.uint8)
+        for repeat in range(repeats):
+            cpu, wall = time.thread_time(), time.perf_counter()
+            for blob, lay in zip(blobs, layouts):
+                decode_chunk_into(memoryview(blob), lay, out)
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            exact = bool(np.array_equal(out, np.frombuffer(chunks[-1].byte_array, np.uint8)))
+            gb = raw / 1e9
+            rows.append({"part": "decoder", "config": f"decode {recipe}", "repeat": repeat, "chunks": count,
+                         "raw_bytes": raw, "held_bytes": sum(len(b) for b in blobs), "workers": 1,
+                         "load_cpu_s_per_gb": cpu / gb, "load_wall_s_per_gb": wall / gb,
+                         "load_wall_s_per_chunk": wall / count, "load_cpu_s_per_chunk": cpu / count,
+                         "bit_exact": exact})
+            print(f"decoder {recipe} #{repeat}: {json.dumps(rows[-1])}", flush=True)
+    return rows
