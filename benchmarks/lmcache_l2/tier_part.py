@@ -77,7 +77,7 @@ def _job(tier: Any, submit: Callable[[Any], None], job: Any) -> tuple[float, flo
         done = [r for r in tier.get_finished_jobs() if r.job_id == job.job_id]
         if done:
             return time.perf_counter() - wall, time.process_time() - cpu, done[0].success
-        time.sleep(0.0005)
+        time.sleep(0.002)
 
 
 def run(names: tuple[str, ...], repeats: int, chunks: int, cold: bool, place_of: Callable[[str], Place],
@@ -127,10 +127,10 @@ def run(names: tuple[str, ...], repeats: int, chunks: int, cold: bool, place_of:
 
 
 def _held(tier: Any, place: Place) -> int:
-    """Bytes the tier keeps: its store's count (kvtool), else the folder's files (vLLM's fs tier)."""
+    """Bytes the tier keeps: its store's entries (kvtool), else the folder's files (vLLM's fs tier)."""
     store = getattr(tier, "store", None)
     if store is not None:
-        return int(store.stats()["used_bytes"])
+        return sum(store.info(key).size for key in store.keys())
     return sum(p.stat().st_size for p in files(place.folder)) if place.folder else 0
 
 
