@@ -86,16 +86,24 @@ def adapters(names: tuple[str, ...], repeats: int, count: int, cold: bool, place
                 workers = adapter.report_status().get("workers")
             finally:
                 adapter.close()
-            gb = raw / 1e9
-            rows.append({"part": "chunks", "config": name + label, "repeat": repeat, "chunks": count, "raw_bytes": raw,
-                         "held_bytes": held, "workers": workers,
-                         "store_cpu_s_per_gb": store_cpu / gb, "store_wall_s_per_gb": store_wall / gb,
-                         "load_cpu_s_per_gb": load_cpu / gb, "load_wall_s_per_gb": load_wall / gb,
-                         "load_wall_s_per_chunk": load_wall / count, "load_cpu_s_per_chunk": load_cpu / count,
-                         "store_wall_s_per_chunk": store_wall / count, "resident_at_load": resident,
-                         "bit_exact": bool(exact)})
+            rows.append(timing_row("chunks", name + label, repeat, count, raw, held, (store_cpu, store_wall),
+                                   (load_cpu, load_wall), resident_at_load=resident, workers=workers,
+                                   bit_exact=bool(exact)))
             print(f"chunks {name}{label} #{repeat}: {json.dumps(rows[-1])}", flush=True)
     return rows
+
+
+def timing_row(part: str, config: str, repeat: int, count: int, raw: int, held: int, store: tuple[float, float],
+               load: tuple[float, float], **extra: Any) -> dict[str, Any]:
+    """One measured store and load of ``count`` chunks (``raw`` bytes of KV): (CPU, wall) seconds of each,
+    per GB of KV and per chunk."""
+    gb = raw / 1e9
+    (store_cpu, store_wall), (load_cpu, load_wall) = store, load
+    return {"part": part, "config": config, "repeat": repeat, "chunks": count, "raw_bytes": raw, "held_bytes": held,
+            "store_cpu_s_per_gb": store_cpu / gb, "store_wall_s_per_gb": store_wall / gb,
+            "load_cpu_s_per_gb": load_cpu / gb, "load_wall_s_per_gb": load_wall / gb,
+            "store_wall_s_per_chunk": store_wall / count, "load_wall_s_per_chunk": load_wall / count,
+            "load_cpu_s_per_chunk": load_cpu / count, **extra}
 
 
 def _stored_bytes(adapter: Any) -> int:

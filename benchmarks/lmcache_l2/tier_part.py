@@ -24,6 +24,7 @@ import numpy as np
 
 import kvtool
 from cells import TIERS, Place
+from chunk_part import timing_row
 from pagecache import drop, files, resident_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,14 +115,9 @@ def run(names: tuple[str, ...], repeats: int, chunks: int, cold: bool, place_of:
             finally:
                 del region
                 manager.shutdown()
-            gb = raw / 1e9
-            rows.append({"part": "tier", "config": name + label, "repeat": repeat, "chunks": chunks, "raw_bytes": raw,
-                         "held_bytes": held, "stored": stored, "workers": _workers(tier),
-                         "store_cpu_s_per_gb": store_cpu / gb, "store_wall_s_per_gb": store_wall / gb,
-                         "load_cpu_s_per_gb": load_cpu / gb, "load_wall_s_per_gb": load_wall / gb,
-                         "load_wall_s_per_chunk": load_wall / chunks, "load_cpu_s_per_chunk": load_cpu / chunks,
-                         "store_wall_s_per_chunk": store_wall / chunks, "resident_at_load": resident,
-                         "bit_exact": bool(exact)})
+            rows.append(timing_row("tier", name + label, repeat, chunks, raw, held, (store_cpu, store_wall),
+                                   (load_cpu, load_wall), resident_at_load=resident, stored=stored,
+                                   workers=_workers(tier), bit_exact=bool(exact)))
             print(f"tier {name}{label} #{repeat}: {json.dumps(rows[-1])}", flush=True)
     return rows
 

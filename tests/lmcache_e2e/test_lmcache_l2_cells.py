@@ -26,21 +26,21 @@ import pytest
 pytest.importorskip("lmcache", reason="LMCache is not installed here: create its environment with "
                                       "benchmarks/vs_lmcache/lmcache-env.sh")
 
-import torch  # noqa: E402
-from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
-from lmcache.v1.distributed.config import EvictionConfig  # noqa: E402
-from lmcache.v1.distributed.storage_controllers.eviction_controller import (  # noqa: E402
+import torch
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.config import EvictionConfig
+from lmcache.v1.distributed.storage_controllers.eviction_controller import (
     L2AdapterEvictionState,
     L2EvictionController,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "lmcache_l2"))
-import cells  # noqa: E402
-import chunk_part  # noqa: E402
-import pagecache  # noqa: E402
-from chunk_objects import empty_like  # noqa: E402
-from timed_adapter import TimedL2Adapter  # noqa: E402
+import cells
+import chunk_part
+import pagecache
+from chunk_objects import empty_like
+from timed_adapter import TimedL2Adapter
 
 CHUNKS = 12
 
