@@ -116,7 +116,10 @@ def _target(name: str, met: bool, value: str) -> str:
 
 
 def _below(kv: float, base: float) -> str:
-    return f"{1 - kv / base:.1%} below" if base else "-"
+    """How far ``kv`` is below ``base``, or above it."""
+    if not base:
+        return "-"
+    return f"{1 - kv / base:.1%} below" if kv <= base else f"{kv / base - 1:.1%} above"
 
 
 def targets(cell: str, chunks: dict[str, dict[str, Any]], cells: dict[tuple[str, int], dict[str, Any]]) -> list[str]:

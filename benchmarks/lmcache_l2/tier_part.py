@@ -90,8 +90,8 @@ def run(names: tuple[str, ...], repeats: int, chunks: int, cold: bool, place_of:
     data = [chunk_row(samples[i % 2]) for i in range(chunks)]
     raw = sum(d.size for d in data)
     rows = []
-    for name in names:
-        for repeat in range(repeats):
+    for repeat in range(repeats):  # the configurations alternate, so that the machine's load swings hit all
+        for name in names:
             place = place_of(f"tier-{name}{label}-{repeat}")
             spec = make_spec(tier_entry(name, place), samples[0], chunks)
             manager = spec.get_manager()
