@@ -66,6 +66,8 @@ def trace_cells(phases: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str,
                  for p in phases if p["config"] == "vllm-prefix" for q in p["requests"]}
     cells = {}
     for p in phases:
+        if "error" in p:
+            continue
         requests = p["requests"]
         restored = [q for q in requests if q["cached_tokens"] > 0]
         same = [q for q in restored if reference.get((p["concurrency"], q["turn"], q["session"])) == q["output"]]
@@ -182,6 +184,9 @@ def main() -> None:
     for link in data.get("links", []):
         lines.append(f"Link shaped to {link['gbit']:g} Gbit/s (MTU {link['mtu']}): a bulk transfer reached "
                      + " and ".join(f"{g:.1f}" for g in link["measured_gbit"]) + " Gbit/s before and after.")
+    for failed in (p for p in data.get("trace", []) if "error" in p):
+        lines.append(f"**{failed['config']}" + (f" c={failed['concurrency']}" if "concurrency" in failed else "")
+                     + f" did not finish**: {failed['error'][:300]}")
     chunk_lines, chunks = chunk_table(data.get("chunks", [])) if data.get("chunks") else ([], {})
     cells = trace_cells(data.get("trace", []))
     print("\n".join([*lines, "", *chunk_lines, "", *(trace_table(cells) if cells else []), "",

@@ -167,7 +167,11 @@ async def run(cell: Cell, configs: tuple[str, ...], args: Namespace, workdir: Pa
     for config in configs:
         name = config if kind_of(config) == REFERENCE else config + label
         place = None if kind_of(config) == REFERENCE else place_of(f"trace-{name}")
-        servers = await start(name, place, args, workdir, env)
+        try:
+            servers = await start(name, place, args, workdir, env)
+        except RuntimeError as exc:  # a server that did not come up: recorded, and the cell goes on
+            phases.append({"config": name, "error": str(exc)})
+            continue
         try:
             for concurrency in args.concurrency:
                 phases.append(await run_phase(servers, name, concurrency, cell, args, pool, messages))
@@ -175,6 +179,9 @@ async def run(cell: Cell, configs: tuple[str, ...], args: Namespace, workdir: Pa
                 print(f"trace {name} c={concurrency}: TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, restored "
                       f"{sum(r['cached_tokens'] for r in phases[-1]['requests'])} tokens, "
                       f"{len(phases[-1]['l2_loads'])} L2 load tasks", flush=True)
+        except RuntimeError as exc:  # vLLM's engine died (an overloaded machine times its RPCs out)
+            phases.append({"config": name, "concurrency": concurrency, "error": str(exc)})
+            print(f"trace {name} c={concurrency}: {exc}", flush=True)
         finally:
             stop(servers)
     return phases
