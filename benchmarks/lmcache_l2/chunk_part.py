@@ -7,9 +7,10 @@ the cold cell), through LMCache's own config parser, factory and event fds, and 
 bit for bit. Each row: process CPU and wall seconds per GB of KV and per chunk, with the
 adapter's own workers (kvtool's default 2; ``fs`` its asyncio loop), and the bytes held.
 
-The decoder rows decode the same chunks, coded by the adapter's own encoder, in this
-thread with nothing read (the .kvz bytes already in memory): container parsing,
-checksums and the codec, what a load costs beyond its read.
+The decoder rows restore the same chunks, coded as the adapter codes them, from a memory
+store in this thread (``kvtool.entries.restore_into``, the seam every integration
+restores through): container parsing, checksums and the codec with nothing read from a
+disk or a network, what a load costs beyond its read.
 """
 
 from __future__ import annotations
@@ -113,31 +114,36 @@ def _stored_bytes(adapter: Any) -> int:
 
 
 def decoder(recipes: tuple[str, ...], repeats: int, count: int) -> list[dict[str, Any]]:
-    """The same chunks coded by the adapter's encoder, decoded in this thread from bytes in memory."""
+    """The same chunks, coded as the adapter codes them into a memory store, restored into a destination in this
+    thread through the seam every integration restores through: nothing read from a disk or a network."""
     import numpy as np
 
+    from kvtool.entries import put_cache, restore_into
     from kvtool.integrations.lmcache.adapter import layout_of
-    from kvtool.integrations.lmcache.codec import decode_chunk_into, encode_chunk
+    from kvtool.store import open_store
 
     chunks = sample_chunks(count)
     raw = sum(c.get_size() for c in chunks)
-    rows = []
     layouts = [layout_of(c) for c in chunks]
-    coded = {recipe: [encode_chunk(np.frombuffer(c.byte_array, np.uint8), lay, recipe, "m")
-                      for c, lay in zip(chunks, layouts)] for recipe in recipes}
+    store = open_store("memory://")
+    held = {recipe: sum(put_cache(store, f"{recipe}/{i}", lay.cache(np.frombuffer(c.byte_array, np.uint8), "m"),
+                                  recipe).stored_bytes for i, (c, lay) in enumerate(zip(chunks, layouts)))
+            for recipe in recipes}
     out = np.empty(chunks[0].get_size(), np.uint8)
     gb = raw / 1e9
+    rows = []
     for repeat in range(repeats):
-        for recipe, blobs in coded.items():
+        for recipe in recipes:
             cpu, wall = time.thread_time(), time.perf_counter()
-            for blob, lay in zip(blobs, layouts):
-                decode_chunk_into(memoryview(blob), lay, out)
+            restored = [restore_into(store, f"{recipe}/{i}", lay.expected(), lay.destination(out)).ok
+                        for i, lay in enumerate(layouts)]
             cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-            exact = bool(np.array_equal(out, np.frombuffer(chunks[-1].byte_array, np.uint8)))
+            exact = all(restored) and bool(np.array_equal(out, np.frombuffer(chunks[-1].byte_array, np.uint8)))
             rows.append({"part": "decoder", "config": f"decode {recipe}", "repeat": repeat, "chunks": count,
-                         "raw_bytes": raw, "held_bytes": sum(len(b) for b in blobs), "workers": 1,
+                         "raw_bytes": raw, "held_bytes": held[recipe], "workers": 1,
                          "load_cpu_s_per_gb": cpu / gb, "load_wall_s_per_gb": wall / gb,
                          "load_wall_s_per_chunk": wall / count, "load_cpu_s_per_chunk": cpu / count,
                          "bit_exact": exact})
             print(f"decoder {recipe} #{repeat}: {json.dumps(rows[-1])}", flush=True)
+    store.close()
     return rows
