@@ -23,13 +23,17 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import time
 import urllib.request
 from argparse import Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import aiohttp
 
 from cells import REFERENCE, ADAPTERS, Cell, Place, connector_store, lmcache_spec
 from pagecache import drop, files, resident_bytes
@@ -52,7 +56,7 @@ class Servers:
     place: Place | None = None
     timings: Path | None = None  # the wrapper's load lines (LMCache configurations)
     stats: Path | None = None  # the timed connector's totals (kvtool's connector)
-    extra: dict[str, Any] = field(default_factory=dict)
+    vllm_log: Path | None = None
 
 
 def kind_of(config: str) -> str:
@@ -62,8 +66,18 @@ def kind_of(config: str) -> str:
 
 async def start(config: str, place: Place | None, args: Namespace, workdir: Path, env: dict) -> Servers:
     servers = Servers(place=place)
+    try:
+        await _start(servers, config, args, workdir, env)
+    except BaseException:
+        stop(servers)
+        raise
+    return servers
+
+
+async def _start(servers: Servers, config: str, args: Namespace, workdir: Path, env: dict) -> None:
     extra: dict[str, Any] = {}
     kind = kind_of(config)
+    place = servers.place
     if kind == "lmcache":
         assert place is not None
         mp_port, servers.http_port = vs.free_port(), vs.free_port()
@@ -96,20 +110,35 @@ async def start(config: str, place: Place | None, args: Namespace, workdir: Path
            "--enable-prefix-caching" if kind == REFERENCE else "--no-enable-prefix-caching"]
     if extra:
         cmd += ["--kv-transfer-config", json.dumps(extra)]
-    log = workdir / f"{config}.vllm.log"
+    log = servers.vllm_log = workdir / f"{config}.vllm.log"
     servers.vllm = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                     start_new_session=True)
-    try:
-        await vs.wait_http(f"http://127.0.0.1:{servers.port}/health", servers.vllm, log, args.start_timeout)
-    except BaseException:
-        stop(servers)
-        raise
-    return servers
+    await vs.wait_http(f"http://127.0.0.1:{servers.port}/health", servers.vllm, log, args.start_timeout)
 
 
 def stop(servers: Servers) -> None:
     vs.stop(servers.vllm)
     vs.stop(servers.lmcache)
+    release_shared_kv(servers.vllm_log)
+
+
+def release_shared_kv(vllm_log: Path | None) -> None:
+    """Unlink the shared-memory segments LMCache's connector left behind for a stopped vLLM.
+
+    ``LMCacheMPConnector`` moves the worker's KV cache (``VLLM_CPU_KVCACHE_SPACE``, 1 GiB here) into
+    ``/dev/shm/lmcache_kv_<worker pid>_<n>`` and, in 0.5.6, leaves it there when vLLM stops: every run would
+    leave a GiB of memory taken on the machine. The pids are those vLLM's log names; only segments of
+    processes that are gone are removed."""
+    if vllm_log is None or not vllm_log.exists():
+        return
+    deadline = time.monotonic() + 30  # vLLM's worker processes end a little after its API server
+    for pid in set(re.findall(r"\(\w+ pid=(\d+)\)", vllm_log.read_text(errors="replace"))):
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if Path(f"/proc/{pid}").exists():
+            continue
+        for segment in Path("/dev/shm").glob(f"lmcache_kv_{pid}_*"):
+            segment.unlink(missing_ok=True)
 
 
 def _lines(path: Path | None) -> list[dict[str, Any]]:
@@ -179,7 +208,8 @@ async def run(cell: Cell, configs: tuple[str, ...], args: Namespace, workdir: Pa
                 print(f"trace {name} c={concurrency}: TTFT p50 {ttfts[len(ttfts) // 2]:.3f} s, restored "
                       f"{sum(r['cached_tokens'] for r in phases[-1]['requests'])} tokens, "
                       f"{len(phases[-1]['l2_loads'])} L2 load tasks", flush=True)
-        except RuntimeError as exc:  # vLLM's engine died (an overloaded machine times its RPCs out)
+        except (RuntimeError, OSError, aiohttp.ClientError) as exc:  # vLLM's engine died or dropped the request
+            # (an overloaded machine times vLLM's own RPCs out): recorded, and the cell goes on
             phases.append({"config": name, "concurrency": concurrency, "error": str(exc)})
             print(f"trace {name} c={concurrency}: {exc}", flush=True)
         finally:
