@@ -162,7 +162,8 @@ class Rows(Destination):
         table = self.table[position]
         tokens = table.shape[1]
         if 0 <= token and token + count <= tokens:
-            return table[:, token : token + count].reshape(-1)
+            offsets: np.ndarray = table[:, token : token + count].reshape(-1)
+            return offsets
         inside = np.arange(token, token + count)
         clipped = np.clip(inside, 0, max(tokens - 1, 0))
         return np.where((inside >= 0) & (inside < tokens), table[:, clipped], -1).reshape(-1)

@@ -17,7 +17,7 @@ import torch
 from kvtool.destinations import PagedBlocks
 from kvtool.errors import UsageError
 
-_NUMPY_OF = {
+_NUMPY_OF: dict[torch.dtype, np.dtype] = {
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
     torch.float16: np.dtype(np.float16),
     torch.float32: np.dtype(np.float32),
@@ -38,7 +38,8 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's data as a numpy array of the matching dtype, sharing memory."""
     dtype = numpy_dtype(tensor.dtype)
-    return tensor.view(_SAME_BITS[dtype.itemsize]).numpy().view(dtype)
+    array: np.ndarray = tensor.view(_SAME_BITS[dtype.itemsize]).numpy().view(dtype)
+    return array
 
 
 def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -57,7 +58,8 @@ def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 def storage_bytes(view: torch.Tensor) -> np.ndarray:
     """The whole storage under a CPU tensor view, as a writable flat byte array sharing its memory."""
     whole = torch.empty(0, dtype=torch.uint8, device=view.device).set_(view.untyped_storage())
-    return whole.numpy()
+    flat: np.ndarray = whole.numpy()
+    return flat
 
 
 @dataclass(frozen=True)

@@ -223,11 +223,14 @@ class PluginNoKernel(ExpHuffCodec):
         return None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def plugins():
+    """The two plug-in codecs, registered for one test: the registry holds only the built-ins after it."""
     for cls in (PluginExpHuff, PluginNoKernel):
-        if cls.codec_id not in codecs.ids():
-            codecs.register(cls.codec_id, cls)
+        codecs.register(cls.codec_id, cls)
+    yield
+    for cls in (PluginExpHuff, PluginNoKernel):
+        codecs.unregister(cls.codec_id)
 
 
 @needs_core

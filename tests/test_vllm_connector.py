@@ -96,7 +96,11 @@ def test_saves_wait_for_whole_entries_and_store_a_short_last_one_at_the_end_of_t
 def test_load_jobs_skip_what_vllm_has_and_stop_at_the_limit():
     spans = lookup(stored_keys(NAMER, [(0, 2), (2, 2), (4, 2)]))
     jobs = load_jobs(spans, local_blocks=1, block_ids=list(range(100, 110)), limit_blocks=5)
-    assert [(j.first_block, j.block_ids) for j in jobs] == [(1, [101]), (0, [102, 103]), (0, [104])]
+    assert [(j.first_block, j.block_ids) for j in jobs] == [(1, ([101],)), (0, ([102, 103],)), (0, ([104],))]
+    groups = (list(range(100, 110)), [-1, -1, -1, 203, 204, 205])  # a sliding-window group keeps the last blocks
+    jobs = load_jobs(spans, local_blocks=1, block_ids=groups, limit_blocks=5)
+    assert [j.block_ids for j in jobs] == [([101], [-1]), ([102, 103], [-1, 203]), ([104], [204])]
+    assert [j.written_blocks() for j in jobs] == [{101}, {102, 103, 203}, {104, 204}]
 
 
 def test_settings_reject_unknown_options_and_bad_recipes():

@@ -124,14 +124,11 @@ def bench_entry(torch, device, name: str, cache: KVCache, recipe: str, repeat: i
     }
 
 
-def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int, check: bool = True) -> dict:
-    """N entries restored into shuffled blocks of CUDA-layout paged tensors through the connector's GPU path."""
-    from kvtool.entries import Expected, put_cache, restore_into
-    from kvtool.gpu.pages import GpuPages
-    from kvtool.integrations.vllm.paged import kv_views, scatter_blocks
+def shuffled_pages(torch, device, caches: list[KVCache], seed: int):
+    """Empty CUDA-layout paged tensors ([blocks, kv_heads, block_size, 2 * head_dim], vLLM's CUDA backends) with room
+    for every entry, as the connector's ``PagedLayers``, and each entry's blocks, shuffled."""
+    from kvtool.integrations.vllm.paged import kv_views
     from kvtool.integrations.vllm.transfer import PagedLayers
-    from kvtool.store import open_store
-    from kvtool.torchbits import from_numpy
 
     layers, heads, dim = len(caches[0].keys), caches[0].keys[0].shape[0], caches[0].keys[0].shape[2]
     per_entry = caches[0].num_tokens // BLOCK
@@ -139,12 +136,46 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
     tensors = [torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16, device=device) for _ in range(layers)]
     views = [kv_views(t, "FLASH_ATTN", dim, BLOCK) for t in tensors]
     paged = PagedLayers([f"l{i}" for i in range(layers)], [k for k, _ in views], [v for _, v in views], BLOCK, torch.bfloat16)
-    ids = np.random.default_rng(1).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
+    ids = np.random.default_rng(seed).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
+    return paged, [[int(b) for b in row] for row in ids]
+
+
+def pages_hold(torch, paged, caches: list[KVCache], ids: list[list[int]]) -> bool:
+    """Whether each entry's blocks hold its cache bit for bit, as vLLM's own copy would have put it there."""
+    from kvtool.integrations.vllm.paged import scatter_blocks
+    from kvtool.torchbits import from_numpy
+
+    exact = True
+    for cache, block_ids in zip(caches, ids):
+        for i in range(len(paged.keys)):
+            for view, array in ((paged.keys[i], cache.keys[i]), (paged.values[i], cache.values[i])):
+                want = torch.zeros_like(view)
+                scatter_blocks(want, block_ids, from_numpy(np.ascontiguousarray(array), torch.bfloat16))
+                exact &= bool(torch.equal(view[block_ids].view(torch.int16), want[block_ids].view(torch.int16)))
+    return exact
+
+
+def restore_row(torch, device, caches: list[KVCache], restore, repeat: int) -> dict:
+    """Wall time and CPU seconds per GB of ``restore()`` (which returns its CPU seconds) over these entries."""
+    cpu_times: list[float] = []
+    wall = timed(torch, device, lambda: cpu_times.append(restore()), repeat)
+    gb = sum(c.nbytes for c in caches) / 1e9
+    return {"entries": len(caches), "raw_bytes": int(gb * 1e9), "restore_GBps": gb / wall, "restore_seconds": wall,
+            "cpu_seconds_per_GB": float(np.median(cpu_times)) / gb}
+
+
+def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int, check: bool = True) -> dict:
+    """N entries restored into shuffled blocks of CUDA-layout paged tensors through the connector's GPU path."""
+    from kvtool.entries import Expected, put_cache, restore_into
+    from kvtool.gpu.pages import GpuPages
+    from kvtool.store import open_store
+
+    paged, ids = shuffled_pages(torch, device, caches, seed=1)
     store = open_store("memory://")
     for i, c in enumerate(caches):
         assert put_cache(store, f"e{i}", c, recipe).stored
-    blobs = [bytes(store.fetch(f"e{i}").entry.value) for i in range(len(caches))]
-    expected = Expected(layers, (heads, per_entry * BLOCK, dim), "bf16")
+    heads, tokens, dim = caches[0].keys[0].shape
+    expected = Expected(len(paged.keys), (heads, tokens, dim), "bf16")
     assert not check or GpuPages.usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
 
     def restore() -> float:
@@ -153,80 +184,53 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
         cpu = time.process_time()
         pages = GpuPages(paged.keys, paged.values)
         for i, block_ids in enumerate(ids):
-            restored = restore_into(store, f"e{i}", expected, pages.entry(list(block_ids)))
+            restored = restore_into(store, f"e{i}", expected, pages.entry(block_ids))
             assert restored.ok, restored.detail
         pages.start()
-        for i in range(layers):
+        for i in range(len(paged.keys)):
             pages.wait_layer(i)
         cpu = time.process_time() - cpu  # the host's share: it has not waited for the device so far
         assert not pages.failures()
         return cpu
 
     restore()
-    exact = check
-    for blob, block_ids in zip(blobs, ids) if check else ():
-        cache = KvzReader.from_bytes(blob).read()
-        for i in range(layers):
-            for view, array in ((paged.keys[i], cache.keys[i]), (paged.values[i], cache.values[i])):
-                want = torch.zeros_like(view)
-                scatter_blocks(want, list(block_ids), from_numpy(np.ascontiguousarray(array), torch.bfloat16))
-                exact &= bool(torch.equal(view[list(block_ids)].view(torch.int16), want[list(block_ids)].view(torch.int16)))
-    cpu_times = []
-    wall = timed(torch, device, lambda: cpu_times.append(restore()), repeat)
-    gb = sum(c.nbytes for c in caches) / 1e9
-    return {"entries": len(caches), "raw_bytes": int(gb * 1e9), "bit_exact": exact, "restore_GBps": gb / wall,
-            "restore_seconds": wall, "cpu_seconds_per_GB": float(np.median(cpu_times)) / gb}
+    decoded = [KvzReader.from_bytes(store.fetch(f"e{i}").entry.value).read() for i in range(len(caches))]
+    return {**restore_row(torch, device, caches, restore, repeat),
+            "bit_exact": check and pages_hold(torch, paged, decoded, ids)}
 
 
 def bench_fallback_restore(torch, device, caches: list[KVCache], repeat: int) -> dict:
     """N ``exphuff`` entries restored by the connector's ``Restore`` into CUDA-layout pages: CPU decode, pinned
     staging, per-layer copies (on CPU tensors, the same path with the pages taken for a device's)."""
-    from kvtool.integrations.vllm.paged import kv_views, scatter_blocks
     from kvtool.integrations.vllm.plan import LoadJob
-    from kvtool.integrations.vllm.transfer import PagedLayers, Restore, encode_and_store
+    from kvtool.integrations.vllm.transfer import Restore, encode_and_store
     from kvtool.store import open_store
-    from kvtool.torchbits import from_numpy
 
-    layers, heads, dim = len(caches[0].keys), caches[0].keys[0].shape[0], caches[0].keys[0].shape[2]
-    per_entry = caches[0].num_tokens // BLOCK
-    blocks = per_entry * len(caches) + 3
-    tensors = [torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16, device=device) for _ in range(layers)]
-    views = [kv_views(t, "FLASH_ATTN", dim, BLOCK) for t in tensors]
-    paged = PagedLayers([f"l{i}" for i in range(layers)], [k for k, _ in views], [v for _, v in views], BLOCK, torch.bfloat16)
+    paged, ids = shuffled_pages(torch, device, caches, seed=2)
     if device.type == "cpu":
         paged.__dict__["on_cpu"] = False  # the staging path a CUDA cache takes, on CPU tensors
-    ids = np.random.default_rng(2).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
     store = open_store("memory://")
     for i, c in enumerate(caches):
         assert encode_and_store(store, f"x{i}", c.keys, c.values, "exphuff", c.model)
-    jobs = {f"r{i}": [LoadJob(f"x{i}", per_entry, 0, [int(b) for b in block_ids])] for i, block_ids in enumerate(ids)}
+    jobs = {f"r{i}": [LoadJob(f"x{i}", len(block_ids), 0, block_ids)] for i, block_ids in enumerate(ids)}
 
     def restore() -> float:
         cpu = time.process_time()
         r = Restore(store, lambda e: e, paged, jobs, gpu_decode=False)
         r.start(background=True)
-        for i in range(layers):
+        for i in range(len(paged.keys)):
             r.copy_layer(i)
         assert r.finish() == set()
         return time.process_time() - cpu
 
     restore()
-    exact = True
-    for c, block_ids in zip(caches, ids):
-        for i in range(layers):
-            for view, array in ((paged.keys[i], c.keys[i]), (paged.values[i], c.values[i])):
-                want = torch.zeros_like(view)
-                scatter_blocks(want, list(block_ids), from_numpy(np.ascontiguousarray(array), torch.bfloat16))
-                exact &= bool(torch.equal(view[list(block_ids)].view(torch.int16), want[list(block_ids)].view(torch.int16)))
-    cpu_times = []
-    wall = timed(torch, device, lambda: cpu_times.append(restore()), repeat)
-    gb = sum(c.nbytes for c in caches) / 1e9
-    return {"entries": len(caches), "recipe": "exphuff", "raw_bytes": int(gb * 1e9), "bit_exact": exact,
-            "restore_GBps": gb / wall, "restore_seconds": wall, "cpu_seconds_per_GB": float(np.median(cpu_times)) / gb}
+    return {**restore_row(torch, device, caches, restore, repeat), "recipe": "exphuff",
+            "bit_exact": pages_hold(torch, paged, caches, ids)}
 
 
 def host_share(entries: int, repeat: int) -> dict:
     """CPU seconds per GB of the host's part of a GPU restore, on CPU tensors, the kernels not run."""
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors taken as GPU pages; the kernels themselves are left out
     import torch
 
     from kvtool.gpu import restore

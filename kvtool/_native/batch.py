@@ -14,12 +14,12 @@ reader's and writer's per-chunk path, which writes the same bytes. The core's jo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
 from kvtool import _native
+from kvtool._native.core_api import CoderModel, NativeCore
 from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
 
@@ -28,14 +28,14 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 @dataclass(frozen=True)
 class BatchCodec:
-    core: ModuleType  # the compiled extension
+    core: NativeCore  # the compiled extension
     dtype_code: int
     coded: bool  # exphuff, exphuff-lanes or ctxtans; otherwise every chunk is the block's bytes as they are
-    model: object = None  # ctxtans: the core's copy of its dictionary's tables; None: exphuff
+    model: Optional[CoderModel] = None  # ctxtans: the core's copy of its dictionary's tables; None: exphuff
     lane: int = 0  # exphuff-lanes' symbols per lane; 0 for exphuff
 
     @classmethod
-    def of(cls, dtype: np.dtype, coded: bool, model: object = None, lane: int = 0) -> "BatchCodec | None":
+    def of(cls, dtype: np.dtype, coded: bool, model: Optional[CoderModel] = None, lane: int = 0) -> "BatchCodec | None":
         """The core's batch kernel for tensors of ``dtype`` (``coded``: exphuff's chunk versions, or ctxtans's with
         ``model``; otherwise every chunk is the block's bytes), or None where the core is off or lacks the dtype."""
         core = _native.core()
@@ -50,8 +50,9 @@ class BatchCodec:
     def encode_tensor(self, tensor: np.ndarray, chunk_tokens: int) -> tuple[bytes, np.ndarray]:
         """The chunks of a ``[heads, tokens, dim]`` tensor back to back, and per chunk its BLOCK_META_DTYPE record."""
         contiguous = np.ascontiguousarray(tensor)
+        heads, tokens, dim = tensor.shape
         blob, meta = self.core.encode_blocks(
-            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded, self.model,
+            contiguous.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, chunk_tokens, self.coded, self.model,
             self.lane,
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
@@ -76,7 +77,7 @@ class BatchCodec:
 
 
 
-def raise_for_status(core: ModuleType, status: int, failed: int) -> None:
+def raise_for_status(core: NativeCore, status: int, failed: int) -> None:
     """The ``ChunkDecodeError`` a batch call's status means (nothing for 0); ``failed``: the job that failed."""
     if status == core.STATUS_CHECKSUM:
         raise ChunkDecodeError("checksum mismatch", failed, "checksum")

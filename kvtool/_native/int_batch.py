@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Sequence
 
 import numpy as np
 
 from kvtool import _native
 from kvtool._native.batch import Buffer, raise_for_status
+from kvtool._native.core_api import NativeCore
 from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import UsageError
 
@@ -41,7 +41,7 @@ class Declined(Exception):
 
 @dataclass(frozen=True)
 class IntBatchCodec:
-    core: ModuleType
+    core: NativeCore
     dtype_code: int
     group: int
 

@@ -164,13 +164,14 @@ def open_entry(store: Store, key: str, expected: Expected) -> Opened | Restored:
 
 
 def restore_into(store: Store, key: str, expected: Expected, destination: Destination,
-                 layers: Sequence[int] | None = None, tokens: slice | None = None) -> Restored:
-    """Fetch ``key`` once and decode it (all of it, or some layers and tokens) straight into ``destination``."""
+                 layers: Sequence[int] | None = None, tokens: slice | None = None, threads: int | None = 1) -> Restored:
+    """Fetch ``key`` once and decode it (all of it, or some layers and tokens) straight into ``destination``, its chunks
+    shared by ``threads`` workers."""
     opened = open_entry(store, key, expected)
     if isinstance(opened, Restored):
         return opened
     with opened:
-        return opened.restore(destination, layers, tokens)
+        return opened.restore(destination, layers, tokens, threads)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 def interpreted() -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors, slowly."""
@@ -33,7 +38,7 @@ def status() -> tuple[bool, str]:
     return True, f"Triton {triton.__version__} on {torch.cuda.get_device_name()}"
 
 
-def dtype_name(dtype) -> str | None:
+def dtype_name(dtype: torch.dtype) -> str | None:
     """kvtool's name of a torch dtype the GPU decoder writes (bf16, fp16, fp32, both fp8), or None."""
     import torch
 

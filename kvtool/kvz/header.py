@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, NoReturn
 
 import numpy as np
@@ -80,10 +80,9 @@ def read_metadata(source: ByteSource, name: str) -> Metadata:
 
 
 @dataclass(frozen=True, eq=False)
-class KvzHeader:
-    """Everything a reader knows before it decodes a chunk, checked to be consistent."""
+class HeaderFacts:
+    """What a header's bytes say, checked once: shared by every file with the same header."""
 
-    name: str
     chunk_tokens: int
     token_start: int
     tensors: tuple[Tensor, ...]
@@ -93,13 +92,26 @@ class KvzHeader:
     model: ModelFacts
     recipe: Recipe
     lossy: dict[str, Any] | None
-    index: np.ndarray
     num_tokens: int
     layer_ids: tuple[int, ...]
     heads: int
     dim: int
     #: The recipe's planes for a block of ``chunk_tokens`` tokens and for the last, shorter one.
     block_planes: dict[int, tuple[PlaneSpec, ...]] = field(repr=False)
+
+    @property
+    def chunks_per_tensor(self) -> int:
+        full, rest = divmod(self.num_tokens, self.chunk_tokens)
+        return (full * len(self.block_planes[self.chunk_tokens]) if full else 0) + (len(self.block_planes[rest]) if rest else 0)
+
+
+@dataclass(frozen=True, eq=False)
+class KvzHeader(HeaderFacts):
+    """Everything a reader knows before it decodes a chunk, checked to be consistent: its header's facts, its name
+    and its index."""
+
+    name: str = ""
+    index: np.ndarray = field(default_factory=lambda: np.zeros(0, INDEX_DTYPE), repr=False)
 
     @classmethod
     def validate(cls, meta: Metadata, name: str) -> "KvzHeader":
@@ -112,20 +124,16 @@ class KvzHeader:
             facts = _facts(meta.header)
         except KvzError as exc:
             raise type(exc)(f"{name}: {exc}") from None
-        value = cls(name, facts.chunk_tokens, facts.token_start, facts.tensors, dict(facts.provenance),
-                    dict(facts.metadata), facts.dtype, facts.model, facts.recipe, facts.lossy, meta.index,
-                    facts.num_tokens, facts.layer_ids, facts.heads, facts.dim, facts.block_planes)
-        value._check_index(meta.data_start, meta.data_end, facts.manifest)
+        shared = {f.name: getattr(facts, f.name) for f in fields(HeaderFacts)}
+        value = cls(**{**shared, "provenance": dict(facts.provenance), "metadata": dict(facts.metadata)}, name=name,
+                    index=meta.index)
+        value._check_index(meta.data_start, meta.data_end, functools.partial(_index_manifest, facts))
         return value
 
     def planes_for(self, tokens: int) -> tuple[PlaneSpec, ...]:
         """The recipe's planes for a block of ``tokens`` tokens (a whole block or the last one)."""
         return self.block_planes[tokens]
 
-    @property
-    def chunks_per_tensor(self) -> int:
-        full, rest = divmod(self.num_tokens, self.chunk_tokens)
-        return (full * len(self.block_planes[self.chunk_tokens]) if full else 0) + (len(self.block_planes[rest]) if rest else 0)
 
     def first_row(self, tensor: np.ndarray, start: np.ndarray) -> np.ndarray:
         """The index record of the first plane of each block (tensor, first token): records follow the manifest."""
@@ -186,51 +194,8 @@ class KvzHeader:
             _fail(KvzCorruptError, name, "bad chunk flags: a chunk stored raw must have equal stored and raw length and hash")
 
 
-@dataclass(eq=False)
-class _HeaderFacts:
-    """What a header's bytes say, checked: a ``KvzHeader`` less its name and index. Shared: never changed but for
-    ``manifest``, worked out on first use (the same each time)."""
-
-    chunk_tokens: int
-    token_start: int
-    tensors: tuple[Tensor, ...]
-    provenance: dict[str, Any]
-    metadata: dict[str, str]
-    dtype: DType
-    model: ModelFacts
-    recipe: Recipe
-    lossy: dict[str, Any] | None
-    num_tokens: int
-    layer_ids: tuple[int, ...]
-    heads: int
-    dim: int
-    block_planes: dict[int, tuple[PlaneSpec, ...]]
-    _manifest: np.ndarray | None = None
-
-    def manifest(self, tensors: int) -> np.ndarray:
-        """The bytes ``_MANIFEST_BYTES`` of every index record of a file of ``tensors`` tensors: the fields the manifest
-        fixes (tensor, plane, token start and count, raw length). Made only after an index of as many chunks was
-        read, so a header cannot make a reader list more than its file holds."""
-        if self._manifest is None or len(self._manifest) != tensors * self.chunks_per_tensor:
-            chunks = [(p, start, min(self.chunk_tokens, self.num_tokens - start), spec.nbytes)
-                      for start in range(0, self.num_tokens, self.chunk_tokens)
-                      for p, spec in enumerate(self.block_planes[min(self.chunk_tokens, self.num_tokens - start)])]
-            one = np.array(chunks, dtype=np.int64).reshape(-1, 4)
-            records = np.zeros(tensors * len(one), INDEX_DTYPE)
-            records["tensor"] = np.repeat(np.arange(tensors), len(one))
-            for column, field in enumerate(("plane", "token_start", "token_count", "raw_len")):
-                records[field] = np.tile(one[:, column], tensors)
-            self._manifest = records.view(np.uint8).reshape(len(records), INDEX_DTYPE.itemsize)[:, _MANIFEST_BYTES]
-        return self._manifest
-
-    @property
-    def chunks_per_tensor(self) -> int:
-        full, rest = divmod(self.num_tokens, self.chunk_tokens)
-        return (full * len(self.block_planes[self.chunk_tokens]) if full else 0) + (len(self.block_planes[rest]) if rest else 0)
-
-
 @functools.lru_cache(maxsize=32)
-def _facts(data: bytes) -> _HeaderFacts:
+def _facts(data: bytes) -> HeaderFacts:
     """Parse and check a header's bytes (messages without the file's name, which the caller adds)."""
     name = ""
     header = _header_json(data, name)
@@ -261,8 +226,26 @@ def _facts(data: bytes) -> _HeaderFacts:
         tokens: _plan(name, recipe, PlaneSpec("data", (heads, tokens, dim), dtype.numpy))
         for tokens in {min(chunk_tokens, num_tokens), num_tokens % chunk_tokens} if tokens
     }
-    return _HeaderFacts(chunk_tokens, token_start, tensors, provenance, dict(metadata), dtype, model, recipe, lossy,
-                        num_tokens, layer_ids, heads, dim, block_planes)
+    return HeaderFacts(chunk_tokens, token_start, tensors, provenance, dict(metadata), dtype, model, recipe, lossy,
+                       num_tokens, layer_ids, heads, dim, block_planes)
+
+
+@functools.lru_cache(maxsize=32)
+def _index_manifest(facts: HeaderFacts, tensors: int) -> np.ndarray:
+    """The bytes ``_MANIFEST_BYTES`` of every index record of a file of ``tensors`` tensors with these facts: the fields
+    the manifest fixes (tensor, plane, token start and count, raw length). Asked for only after an index of as many
+    chunks was read, so a header cannot make a reader list more than its file holds."""
+    chunks = [(p, start, min(facts.chunk_tokens, facts.num_tokens - start), spec.nbytes)
+              for start in range(0, facts.num_tokens, facts.chunk_tokens)
+              for p, spec in enumerate(facts.block_planes[min(facts.chunk_tokens, facts.num_tokens - start)])]
+    one = np.array(chunks, dtype=np.int64).reshape(-1, 4)
+    records = np.zeros(tensors * len(one), INDEX_DTYPE)
+    records["tensor"] = np.repeat(np.arange(tensors), len(one))
+    for column, name in enumerate(("plane", "token_start", "token_count", "raw_len")):
+        records[name] = np.tile(one[:, column], tensors)
+    manifest = records.view(np.uint8).reshape(len(records), INDEX_DTYPE.itemsize)[:, _MANIFEST_BYTES]
+    manifest.flags.writeable = False
+    return manifest
 
 
 def _fail(cls: type[KvzError], name: str, message: str) -> NoReturn:

@@ -73,9 +73,13 @@ class ChunkPipeline(abc.ABC):
         last = first + planes - 1
         begin = h.index["offset"][first].astype(np.int64)
         end = (h.index["offset"][last] + h.index["stored_len"][last]).astype(np.int64)
-        runs = _runs(begin, end, self.run_bytes)
         if len(tokens) and int(tokens.max()) * h.heads * h.dim * h.dtype.itemsize > LARGE_BLOCK:
             threads = 1  # one such block in flight, not one per worker: memory stays at the destination and a block
+        workers = threads or os.cpu_count() or 1
+        limit = self.run_bytes
+        if workers > 1 and limit and len(begin):  # several workers share even one entry: a run each at least
+            limit = min(limit, max(1, -(-int(end.max() - begin.min()) // workers)))
+        runs = _runs(begin, end, limit)
 
         def run(span: tuple[int, int]) -> int:
             lo, hi = span

@@ -179,9 +179,10 @@ class IntQuant(KindAxes, LossyLayout):
         codes_spec, scales_spec = self.plan_plane(PlaneSpec.of(plane))
         codes, scales = np.zeros(codes_spec.shape, np.uint8), np.empty(scales_spec.shape, np.float16)
         used = -(-plane.size * self.code_bits // 8)  # a narrower tensor's codes leave the plane's tail zero
+        heads, tokens, dim = plane.shape
         status = core.int_quant(_native.byte_view(np.ascontiguousarray(plane)), codes[:used], scales.view(np.uint16),
-                                _native.DTYPE_CODES[name], *plane.shape, self.code_bits, self.axis == "channel", self.group,
-                                scales.shape[1])
+                                _native.DTYPE_CODES[name], heads, tokens, dim, self.code_bits, self.axis == "channel",
+                                self.group, scales.shape[1])
         return [codes, scales] if status == 0 else None
 
     def reference_forward(self, plane: np.ndarray) -> list[np.ndarray]:

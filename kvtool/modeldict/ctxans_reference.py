@@ -102,13 +102,6 @@ def _pack_bits(values: np.ndarray, width: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def _unpack_bits(data: bytes, count: int, width: int) -> np.ndarray:
-    if not count or not width:
-        return np.zeros(count, np.int64)
-    bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")[: count * width].astype(np.int64)
-    return (bits.reshape(count, width) << np.arange(width)).sum(axis=1)
-
-
 def _rans_encode(syms: list[int], models: list[int], t: CoderTables) -> bytes:
     """The rANS stream of ``syms``, symbol ``i`` coded with model ``models[i]`` by state ``i % STATES``."""
     freq, cum = t.freq.tolist(), t.cum.tolist()
@@ -228,9 +221,10 @@ class Escapes:
 
 
 def read_sections(data: bytes, flags: int, shape: tuple[int, int, int], family: Family, n_escapes: int,
-                  stream_len: int, codec: str, at: int) -> tuple[np.ndarray, Escapes, list[int], bytes]:
-    """The sections after the head at ``at``: each row's repeat distance ``[tokens, heads]``, the escapes,
-    the coded values' raw bits and the entropy-coded stream, checked to tile the chunk exactly."""
+                  stream_len: int, codec: str, at: int, held_bits: int = 0) -> tuple[np.ndarray, Escapes, bytes, bytes]:
+    """The sections after the head at ``at``: each row's repeat distance ``[tokens, heads]``, the escapes, the
+    raw section (the coded values' raw bits, less the last ``held_bits`` where the coder holds them elsewhere;
+    ``raw_values`` reads it) and the entropy-coded stream, checked to tile the chunk exactly."""
     heads, tokens, dim = shape
     back = np.zeros((tokens, heads), np.int64)
     if flags & FLAG_REPEATS:
@@ -240,14 +234,29 @@ def read_sections(data: bytes, flags: int, shape: tuple[int, int, int], family: 
         at += 4
         back = read_repeats(data[at : at + length], tokens, heads, codec)
         at += length
-    n_coded = int((back == 0).sum()) * dim
-    raw_len = (n_coded * family.raw_bits + 7) // 8
+    raw_len = (max(coded_values(back, dim) * family.raw_bits - held_bits, 0) + 7) // 8
     if len(data) != at + 2 * n_escapes + raw_len + stream_len:
         raise DecodeError(f"{codec}: the chunk's sections do not add up to its length")
     escapes = Escapes(np.frombuffer(data, "<u2", n_escapes, at).tolist(), codec)
     at += 2 * n_escapes
-    raw = _unpack_bits(data[at : at + raw_len], n_coded, family.raw_bits).tolist()
-    return back, escapes, raw, data[at + raw_len :]
+    return back, escapes, data[at : at + raw_len], data[at + raw_len :]
+
+
+def coded_values(back: np.ndarray, dim: int) -> int:
+    """How many values a block with these repeat distances ``[tokens, heads]`` codes (its rows not repeated)."""
+    return int((back == 0).sum()) * dim
+
+
+def raw_values(section: bytes, count: int, width: int, tail: np.ndarray | None = None) -> list[int]:
+    """The ``count`` raw fields of ``width`` bits of a raw section, each LSB first; ``tail``: the bits (LSB first)
+    that follow the section's where a coder held the last ones elsewhere."""
+    bits = np.unpackbits(np.frombuffer(section, np.uint8), bitorder="little").astype(np.int64)
+    if tail is not None:
+        bits = np.concatenate([bits[: count * width - len(tail)], tail.astype(np.int64)])
+    if not count or not width:
+        return [0] * count
+    values: list[int] = (bits[: count * width].reshape(count, width) << np.arange(width)).sum(axis=1).tolist()
+    return values
 
 
 def read_channels(next_symbol: Callable[[int], int], channels: int, base: int, family: Family, tables: CoderTables,
@@ -304,7 +313,8 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
         if len(data) != HEAD.size or flags or base or n_escapes or stream_len:
             raise DecodeError("ctxans: an empty block's chunk holds data")
         return np.moveaxis(out, 0, 1)
-    back, escape, raw, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxans", HEAD.size)
+    back, escape, section, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxans", HEAD.size)
+    raw = raw_values(section, coded_values(back, dim), family.raw_bits)
     rans = _RansDecoder(stream, tables)
     classes, refs = read_channels(rans.next, channels, base, family, tables, escape, "ctxans")
     context_of = tables.context_of.tolist()

@@ -48,7 +48,7 @@ def register(dictionary: Dictionary) -> str:
     return dictionary.id
 
 
-def read_file(path: str | os.PathLike) -> Dictionary:
+def read_file(path: str | os.PathLike[str]) -> Dictionary:
     """Read and validate a ``.kvd`` file (``DictionaryError`` if it is not one)."""
     path = Path(path)
     if path.stat().st_size > MAX_FILE:
@@ -59,7 +59,7 @@ def read_file(path: str | os.PathLike) -> Dictionary:
         raise DictionaryError(f"{path}: {exc}") from None
 
 
-def load(path: str | os.PathLike) -> Dictionary:
+def load(path: str | os.PathLike[str]) -> Dictionary:
     """Read a ``.kvd`` file and register it."""
     dictionary = read_file(path)
     register(dictionary)

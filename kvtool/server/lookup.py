@@ -196,7 +196,7 @@ def _tier_rank(store: Store, name: str) -> int:
 
 
 def _cbor_hash(algo: str) -> Callable[[Any], bytes]:
-    digests = {
+    digests: dict[str, Callable[[bytes], bytes]] = {
         "sha256_cbor": lambda data: hashlib.sha256(data).digest(),
         "xxhash_cbor": lambda data: xxhash.xxh3_128_digest(data),
     }

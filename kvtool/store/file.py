@@ -106,7 +106,7 @@ class FileStore(Store):
     typical_bandwidth = 2e9
 
     def __init__(
-        self, path: str | os.PathLike, capacity: int | None = None, *, name: str | None = None, create: bool = True
+        self, path: str | os.PathLike[str], capacity: int | None = None, *, name: str | None = None, create: bool = True
     ) -> None:
         """``create=False`` opens only a store that exists, creating nothing: a directory that is not
         one (no index) is a ``MissingStoreError``."""
@@ -144,7 +144,8 @@ class FileStore(Store):
 
     @property
     def used_bytes(self) -> int:
-        return (self._index.row("SELECT bytes FROM totals") or (0,))[0]
+        used: int = (self._index.row("SELECT bytes FROM totals") or (0,))[0]
+        return used
 
     def path_of(self, key: str) -> Path | None:
         """The file that holds ``key``'s record now, or None."""
@@ -241,7 +242,8 @@ class FileStore(Store):
         return self._index.query(lambda db: [row[0] for row in db.execute("SELECT key FROM entries ORDER BY access")], [])
 
     def _count(self) -> int:
-        return (self._index.row("SELECT entries FROM totals") or (0,))[0]
+        count: int = (self._index.row("SELECT entries FROM totals") or (0,))[0]
+        return count
 
     def _info(self, key: str) -> EntryInfo | None:
         row = self._index.row("SELECT size, meta FROM entries WHERE key = ?", key)
@@ -362,7 +364,7 @@ class FileStore(Store):
 class _Staged:
     """A record in its final file, locked and not yet indexed."""
 
-    def __init__(self, store: FileStore, key: str, name: str, size: int, meta: dict, fd: int) -> None:
+    def __init__(self, store: FileStore, key: str, name: str, size: int, meta: dict[str, Any], fd: int) -> None:
         self.store, self.key, self.name, self.size, self.meta, self._fd = store, key, name, size, meta, fd
 
     def commit(self) -> bool:

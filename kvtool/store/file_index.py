@@ -72,11 +72,12 @@ class FileIndex:
         self._db = self._connect()
         self.forked: Callable[[], None] = lambda: None  # called in a forked child before its first query
 
-    def row(self, query: str, *params: Any) -> tuple | None:
+    def row(self, query: str, *params: Any) -> tuple[Any, ...] | None:
         """The first row of a query; None if there is none or the index cannot be read (logged)."""
-        return self.query(lambda db: db.execute(query, params).fetchone(), None)
+        first: tuple[Any, ...] | None = self.query(lambda db: db.execute(query, params).fetchone(), None)
+        return first
 
-    def row_or_failed(self, query: str, *params: Any) -> tuple | None | Failed:
+    def row_or_failed(self, query: str, *params: Any) -> tuple[Any, ...] | None | Failed:
         """The first row of a query, None if there is none, ``FAILED`` if the index cannot be read."""
         return self.query_or_failed(lambda db: db.execute(query, params).fetchone())
 
@@ -152,7 +153,8 @@ class FileIndex:
 
 def advance_clock(db: sqlite3.Connection, ticks: int = 1) -> int:
     """Advance the store's clock by ``ticks``; its new value."""
-    return db.execute("UPDATE totals SET clock = clock + ? RETURNING clock", (ticks,)).fetchone()[0]
+    clock: int = db.execute("UPDATE totals SET clock = clock + ? RETURNING clock", (ticks,)).fetchone()[0]
+    return clock
 
 
 def drop_coldest(db: sqlite3.Connection, keep: str, need: int, capacity: int | None) -> tuple[list[str], list[str], int]:

@@ -61,12 +61,12 @@ class StoreMetrics:
         self._buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self._latency_sum += seconds
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Counters, ``hit_rate``, ``get_p50_ms``/``get_p99_ms`` (None before the first get),
         ``get_seconds`` (the latency histogram: per-bucket counts, the last bucket unbounded) and
         ``compression_ratio`` of what was written (None before the first put)."""
         with self._lock:
-            data: dict = dict(self._counts)
+            data: dict[str, Any] = dict(self._counts)
             latencies = sorted(self._latencies)
             histogram = {"le": list(LATENCY_BUCKETS), "counts": list(self._buckets), "sum": self._latency_sum}
         lookups = data["hits"] + data["misses"]

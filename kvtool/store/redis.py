@@ -302,22 +302,22 @@ class RedisStore(Store):
         op: str,
         keys: list[str],
         queue: Callable[[Any, list[str]], None],
-        flatten: Callable[[list], list],
+        flatten: Callable[[list[Any]], list[Any]],
         one: Callable[[str], Any],
-    ) -> list:
+    ) -> list[Any]:
         """Run ``op`` for ``keys`` with one pipeline per server; a key of a failed server gets None.
 
         ``queue`` adds the commands for one batch of keys to a pipeline,
         ``flatten`` turns the pipeline's replies into one result per key, and
         ``one`` does a single key (used when a cluster moved some keys).
         """
-        results: list = [None] * len(keys)
+        results: list[Any] = [None] * len(keys)
         no_groups: list[Group] = []
         groups = self._call(op, f"<{len(keys)} keys>", lambda: self._groups(keys), no_groups, scope=EVERYWHERE)
         for group in groups:
             indices = group.indices
 
-            def run(group: Group = group, indices: list[int] = indices) -> list:
+            def run(group: Group = group, indices: list[int] = indices) -> list[Any]:
                 pipe = group.client.pipeline(transaction=False)
                 for batch in group.batches:
                     queue(pipe, [keys[i] for i in batch])

@@ -88,7 +88,8 @@ class RedisClusterStore(RedisStore):
         if self._cluster is None:
             return EVERYWHERE  # the call itself makes the client, or trips the whole store's breaker
         try:
-            return self._cluster.get_node_from_key(self._k(key)).name
+            node_name: str = self._cluster.get_node_from_key(self._k(key)).name
+            return node_name
         except (redis.RedisError, RedisClusterException, OSError):
             return EVERYWHERE  # no slot map yet, or it lacks the slot: the call will tell
 

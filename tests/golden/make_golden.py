@@ -38,7 +38,9 @@ ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-exphuff-lanes": "exphuff-lan
                  "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0",
                  "array-ctxtans": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0",
                  # chunk version 2 (each head's channels coded in class order); the file above holds version 1
-                 "array-ctxtans-2": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0"}
+                 "array-ctxtans-2": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0",
+                 # chunk version 3 (a state per channel of a head's groups of 64, the states holding raw bits)
+                 "array-ctxtans-3": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0"}
 LOSSY_RECIPES = {
     "lossy-int4-kivi": "int:4,group=4|zstd:1",
     "lossy-int6-token": "int:6,k=token,v=token,group=48|zstd:1",

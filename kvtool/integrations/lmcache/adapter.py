@@ -6,7 +6,8 @@ keys up, load a batch into memory objects it owns; each finished task is
 signalled on that kind's event fd and collected by a poll. Here every key of a
 task is one job on a small thread pool: a store encodes the object's bytes with
 the recipe (no copy on the way in) and puts the .kvz into the store; a load gets
-the verified entry and decodes it straight into the destination object. Any
+the entry and decodes it straight into the destination object (``kvtool.entries``),
+the layers of one chunk shared by the workers a task of fewer chunks leaves idle. Any
 failure (missing, damaged, a store that is down, another layout) leaves that
 key's bit unset: LMCache then treats it as a miss and never sees wrong bytes.
 
@@ -53,7 +54,7 @@ class KvtoolL2AdapterConfig(L2AdapterConfigBase):
         self.settings = settings
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KvtoolL2AdapterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> "KvtoolL2AdapterConfig":
         try:
             return cls(AdapterSettings.from_params(d))
         except KvtoolError as exc:
@@ -81,7 +82,7 @@ def _object_key(name: ChunkName) -> ObjectKey:
 class KvtoolL2Adapter(L2AdapterInterface):
     """LMCache L2 adapter over a kvtool store; see the module docstring."""
 
-    def __init__(self, config: KvtoolL2AdapterConfig | dict, l1_memory_desc: Any = None) -> None:
+    def __init__(self, config: KvtoolL2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None) -> None:
         super().__init__()
         settings = config.settings if isinstance(config, KvtoolL2AdapterConfig) else AdapterSettings.from_params(config)
         self.settings = settings
@@ -125,13 +126,16 @@ class KvtoolL2Adapter(L2AdapterInterface):
 
     # -- event fds ---------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
-        return self._efds["store"].fileno()
+        fd: int = self._efds["store"].fileno()
+        return fd
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._efds["lookup"].fileno()
+        fd: int = self._efds["lookup"].fileno()
+        return fd
 
     def get_load_event_fd(self) -> int:
-        return self._efds["load"].fileno()
+        fd: int = self._efds["load"].fileno()
+        return fd
 
     # -- tasks -----------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -180,7 +184,9 @@ class KvtoolL2Adapter(L2AdapterInterface):
             loaded = [key for key, ok in zip(keys, results) if ok]
             if loaded:
                 self._notify_keys_accessed(loaded)
-        self._run(len(keys), lambda i: self._load_one(keys[i], objects[i]), finish, "load")
+        # a task of fewer chunks than workers: each chunk's layers shared by the workers left over
+        threads = max(1, self.settings.workers // max(1, len(keys)))
+        self._run(len(keys), lambda i: self._load_one(keys[i], objects[i], threads), finish, "load")
         return task
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -275,7 +281,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
         self.counters.add("lookup_hits", sum(found))
         return list(found)
 
-    def _load_one(self, key: ObjectKey, obj: MemoryObj) -> bool:
+    def _load_one(self, key: ObjectKey, obj: MemoryObj, threads: int = 1) -> bool:
         name = self._name(key)
         cpu, wall = time.thread_time(), time.perf_counter()
         try:
@@ -285,7 +291,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             log.warning("kvtool L2 adapter: cannot write chunk %s into its destination (%s); a miss", name.key, exc)
             self.counters.add("load_failures", label="mismatch")
             return False
-        restored = restore_into(self._store, name.key, layout.expected(), layout.destination(out))
+        restored = restore_into(self._store, name.key, layout.expected(), layout.destination(out), threads=threads)
         if not restored.ok:
             assert restored.miss is not None
             if restored.miss.value in ("damaged", "undecodable"):
@@ -336,7 +342,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             listener.on_l2_keys_stored(keys, sizes)
 
     # -- status and lifecycle ----------------------------------------------------------------
-    def report_status(self) -> dict:
+    def report_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
             "is_healthy": not self._closed, "type": type(self).__name__, "store": self._store.describe(),
             "recipe": self.recipe, "workers": self.settings.workers, "chunks_indexed": len(self._index),

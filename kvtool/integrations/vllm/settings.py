@@ -44,7 +44,7 @@ class ConnectorSettings:
     model_id: str | None = None
     overlap: bool | None = None
     write_behind: int = DEFAULT_WRITE_BEHIND
-    api: dict | None = None
+    api: dict[str, Any] | None = None
     dictionary: str | None = None
 
     @classmethod

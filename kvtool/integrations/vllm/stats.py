@@ -110,14 +110,14 @@ class StatsCollector:
         if behind is not None:
             self.gauge("write_behind_queued", behind["queued"])
 
-    def take(self) -> dict[str, dict] | None:
+    def take(self) -> dict[str, dict[str, Any]] | None:
         """The stats since the last call (None if nothing happened), and start counting afresh."""
         with self._lock:
             data, self._data = self._data, empty()
         return None if is_empty(data) else data
 
 
-def empty() -> dict[str, dict]:
+def empty() -> dict[str, dict[str, Any]]:
     return {"counts": {}, "samples": {}, "gauges": {}}
 
 

@@ -36,11 +36,12 @@ import torch
 
 from kvtool import gpu
 from kvtool.cache import KVCache, ModelFacts
-from kvtool.destinations import Destination, PagedBlocks
+from kvtool.destinations import Destination
 from kvtool.dtypes import dtype_of
 from kvtool.entries import Expected, Miss, Opened, Restored, open_entry, put_cache
 from kvtool.integrations.vllm.device_capture import DeviceCapture
-from kvtool.integrations.vllm.paged import gather_blocks, to_numpy
+from kvtool.integrations.vllm.kv_groups import SKIPPED
+from kvtool.integrations.vllm.paged import gather_blocks, grouped_blocks, to_numpy
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.store import Store
@@ -58,16 +59,21 @@ log = logging.getLogger("kvtool.vllm")
 
 @dataclass
 class PagedLayers:
-    """The registered layers, in model order, as K/V block views."""
+    """The registered layers, in model order, as K/V block views, with the KV cache group of each
+    (the index of its block list in a job's ``block_ids``; all 0 when not given)."""
 
     names: list[str]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     block_size: int
     dtype: torch.dtype
+    groups: list[int] = field(default_factory=list)
 
     def index(self, name: str) -> int:
         return self._positions[name]
+
+    def group(self, index: int) -> int:
+        return self.groups[index] if self.groups else 0
 
     def __post_init__(self) -> None:
         self._positions = {name: i for i, name in enumerate(self.names)}
@@ -89,11 +95,19 @@ class PagedLayers:
         """Where the K then V views of every layer lie in their storages (CPU tensors), read once."""
         return PagedViews.of([view for pair in zip(self.keys, self.values) for view in pair])
 
-    def blocks(self, job: LoadJob, layer: int | None = None) -> PagedBlocks:
-        """The restore destination of ``job``'s entry in these pages: every layer, or one."""
-        ids = [0] * job.first_block + list(job.block_ids)  # the skipped blocks' rows are left out
+    def blocks(self, job: LoadJob, layer: int | None = None) -> Destination:
+        """The restore destination of ``job``'s entry in these pages (every layer, or one): the tokens of its blocks
+        past the first ``first_block``, which vLLM already holds (``tokens(job)``); with several KV cache groups each
+        layer's in its group's blocks, those vLLM does not keep left out."""
         picked = None if layer is None else [2 * layer, 2 * layer + 1]
-        return self.paged.blocks(ids, job.first_block * self.block_size, picked)
+        if len(job.block_ids) > 1 or SKIPPED in job.block_ids[0]:
+            views = picked or list(range(2 * len(self.names)))
+            return grouped_blocks(self.paged, [self.group(v // 2) for v in views], job.block_ids, self.block_size, views)
+        return self.paged.blocks(job.block_ids[0], 0, picked)
+
+    def tokens(self, job: LoadJob) -> slice:
+        """The entry's tokens a restore of ``job`` reads: only the chunks that hold them are decoded."""
+        return slice(job.first_block * self.block_size, job.num_blocks * self.block_size)
 
 
 @dataclass
@@ -169,7 +183,7 @@ class Restore:
         self._direct = not background and self._on_cpu
         keys, values = self._layers.keys, self._layers.values
         use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].is_cuda and gpu.status()[0]
-        if use_gpu and not self._direct:
+        if use_gpu and not self._direct and len(set(self._layers.groups)) <= 1:  # the GPU pages take one block table
             from kvtool.gpu.pages import GpuPages  # imports Triton
 
             self._gpu = GpuPages(keys, values) if GpuPages.usable(keys, values) else None
@@ -192,9 +206,11 @@ class Restore:
         copying = time.perf_counter()
         self.times.blocked += copying - waited
         for block_ids, staged in self._staged[index]:
-            ids = torch.as_tensor(block_ids, dtype=torch.long, device=self._layers.keys[index].device)
+            kept = [i for i, b in enumerate(block_ids) if b != SKIPPED]  # blocks vLLM does not keep stay out
+            ids = torch.as_tensor([block_ids[i] for i in kept], dtype=torch.long, device=self._layers.keys[index].device)
             for view, blocks in zip((self._layers.keys[index], self._layers.values[index]), staged):
-                view.index_copy_(0, ids, blocks.to(view.device, non_blocking=True))
+                kept_blocks = blocks if len(kept) == len(block_ids) else blocks[kept]
+                view.index_copy_(0, ids, kept_blocks.to(view.device, non_blocking=True))
         done = time.perf_counter()
         self.times.copy += done - copying
         self._staged[index] = []
@@ -223,7 +239,11 @@ class Restore:
     def failed_block_ids(self) -> set[int]:
         with self._lock:
             failed = dict(self._failed_requests)
-        return {block for rid, first in failed.items() for p in self._requests[rid][first:] for block in p.job.block_ids}
+        return {block for rid, first in failed.items() for p in self._requests[rid][first:] for block in p.job.written_blocks()}
+
+    def request_ids(self) -> set[str]:
+        """Every request this step restores into."""
+        return set(self._requests)
 
     # -- background work -----------------------------------------------------------------
     def _run(self) -> None:
@@ -235,7 +255,7 @@ class Restore:
             self.times.fetch = decoding - begin
             if self._direct:
                 for p in self._pending:
-                    self._restore(p, self._layers.blocks(p.job))
+                    self._restore(p, self._layers.blocks(p.job), tokens=self._layers.tokens(p.job))
             else:
                 if self._gpu is not None:
                     self._hand_to_gpu(self._gpu)
@@ -280,7 +300,7 @@ class Restore:
         for p in self._pending:
             if p.opened is None or self._is_failed(p):
                 continue
-            destination = pages.entry(p.job.block_ids, p.job.first_block)
+            destination = pages.entry(p.job.block_ids[0], p.job.first_block)
             if destination.takes_stored(p.opened.reader.recipe):
                 p.gpu = destination
                 self._restore(p, destination)
@@ -296,15 +316,14 @@ class Restore:
             if p.opened is None or self._is_failed(p):
                 continue
             if self._on_cpu:
-                self._restore(p, layers.blocks(p.job, index), [index])
+                self._restore(p, layers.blocks(p.job, index), [index], layers.tokens(p.job))
                 continue
-            n, bs = len(p.job.block_ids), layers.block_size
+            n, bs = p.job.restored_blocks, layers.block_size
             staging = torch.empty((2, n, layers.heads, bs, layers.head_dim), dtype=layers.dtype,
                                   pin_memory=torch.cuda.is_available())
-            first = p.job.first_block * bs
-            self._restore(p, paged_blocks(list(staging), range(n)), [index], slice(first, first + n * bs))
+            self._restore(p, paged_blocks(list(staging), range(n)), [index], layers.tokens(p.job))
             if not self._is_failed(p):
-                self._staged[index].append((list(p.job.block_ids), staging))
+                self._staged[index].append((list(p.job.block_ids[layers.group(index)]), staging))
 
     def _failed(self, p: _Pending, restored: Restored, where: str = "") -> None:
         assert restored.miss is not None
@@ -331,10 +350,10 @@ class Restore:
         restored_tokens = restored_entries = failed_tokens = 0
         for rid, items in self._requests.items():
             ok = items[: self._failed_requests.get(rid, len(items))]
-            tokens = sum(len(p.job.block_ids) for p in ok) * self._layers.block_size
+            tokens = sum(p.job.restored_blocks for p in ok) * self._layers.block_size
             restored_tokens += tokens
             restored_entries += len(ok)
-            failed_tokens += sum(len(p.job.block_ids) for p in items[len(ok):]) * self._layers.block_size
+            failed_tokens += sum(p.job.restored_blocks for p in items[len(ok):]) * self._layers.block_size
             tiers = ",".join(sorted({p.tier for p in ok if p.tier})) or "-"
             log.debug(
                 "request %s: restored %d tokens from %s in %.1f ms (fetch %.1f ms, decode %.1f ms, copy %.1f ms; "
@@ -366,12 +385,13 @@ class Capture:
             self.device = DeviceCapture(key_view.device)
         for job in (j for js in self.jobs.values() for j in js):
             k, v = self.arrays.setdefault(job.entry_id, [[None] * self.num_layers, [None] * self.num_layers])
+            block_ids = job.block_ids[layers.group(index)]
             if self.device is not None:
-                k[index] = to_numpy(self.device.gather(key_view, job.block_ids))
-                v[index] = to_numpy(self.device.gather(value_view, job.block_ids))
+                k[index] = to_numpy(self.device.gather(key_view, block_ids))
+                v[index] = to_numpy(self.device.gather(value_view, block_ids))
             else:
-                k[index] = gather_blocks(key_view, job.block_ids)
-                v[index] = gather_blocks(value_view, job.block_ids)
+                k[index] = gather_blocks(key_view, block_ids)
+                v[index] = gather_blocks(value_view, block_ids)
 
     def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
         """Entries with every layer captured, except those of ``skip_requests`` (waits for copies in flight)."""

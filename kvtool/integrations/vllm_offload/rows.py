@@ -39,12 +39,7 @@ import numpy as np
 from kvtool.dtypes import DTYPES, DType
 from kvtool.entries.names import ChunkNamer
 from kvtool.errors import UsageError
-
-# vLLM's names of the cache dtype -> kvtool's
-_DTYPES = {
-    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-}
+from kvtool.integrations.vllm.kv_groups import KV_DTYPES as _DTYPES  # vLLM's names of the cache dtype -> kvtool's
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 SUPPORTED_ORDERS = ("LBNHC", "LBHNC")
 
