@@ -4,7 +4,7 @@
 
 ``run.sh CELL`` beside this file builds what is missing and prints the tables. A cell
 (``cells.py``: ``warm``, ``cold``, ``capacity``, ``remote``) is where the L2 is
-deployed; each runs up to three parts, side by side in one run, in LMCache 0.5.6's
+deployed; each runs up to four parts, side by side in one run, in LMCache 0.5.6's
 environment (with vLLM's CPU build 0.32.0):
 
 - ``chunks`` (``chunk_part.py``): each LMCache L2 adapter alone as LMCache's server drives it,
@@ -14,7 +14,10 @@ environment (with vLLM's CPU build 0.32.0):
 - ``trace`` (``trace_part.py``): ``lmcache server`` + vLLM with ``LMCacheMPConnector``, one
   configuration per L2, kvtool's own connector over the same two levels, and vLLM's
   prefix cache as the reference; TTFT, L2 load time per restored session, tokens
-  restored, bytes held, outputs compared.
+  restored, bytes held, outputs compared;
+- ``reference``: vLLM's prefix cache alone on the trace's prompts, once after the other
+  parts. Left out (``--parts chunks,tier,trace``), ``report.py --reference`` compares the
+  outputs with another cell's reference run of the same trace.
 
 The remote cell runs every part once per link rate (``--link-gbit``), across a Redis
 server in a network namespace (``link.py``, needs root). The results record the
@@ -115,8 +118,10 @@ def main() -> None:
             budget = results["budget_bytes"]
             run_parts(cell, args, workdir, lambda label: Place(folder=workdir / label, budget_bytes=budget),
                       results, save)
-    if "trace" in args.parts.split(","):
+    if "reference" in args.parts.split(","):
+        before = load_average()
         results["trace"].extend(asyncio.run(trace_part.run(cell, (REFERENCE,), args, workdir, lambda _: Place())))
+        results["load"].append({"part": "reference", "label": "", "before": before, "after": load_average()})
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()
 
@@ -125,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cell", choices=sorted(CELLS), default="warm")
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/lmcache_l2_CELL.json")
-    p.add_argument("--parts", default="chunks,tier,trace")
+    p.add_argument("--parts", default="chunks,tier,trace,reference")
     p.add_argument("--chunks", type=int, default=16, help="chunks per store and load (chunk and tier parts)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of the chunk and tier parts")
     p.add_argument("--model", type=Path, default=ROOT / "out" / "smollm2-135m")
@@ -137,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="tokens of a session's last turn")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--output-tokens", type=int, default=8)
+    p.add_argument("--logprobs", type=int, default=0,
+                   help="record each output token's top N candidates, so report.py can tell a tie from a wrong cache")
     p.add_argument("--settle", type=float, default=3.0, help="seconds after each round, for stores to finish")
     p.add_argument("--budget-fraction", type=float, default=0.6,
                    help="capacity cell: each L2's bytes, as a share of the raw bytes one phase's sessions store")

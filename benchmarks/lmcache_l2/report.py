@@ -53,24 +53,52 @@ def _ms(value: float | None) -> str:
 
 def _connector_restore(phase: dict[str, Any]) -> tuple[float, int]:
     """kvtool's connector: wall seconds of its restores in the phase (``start_load_kv``, from its memory tier or
-    the L2 below it), and the entries it decoded."""
+    the L2 below it), and the entries it opened to restore."""
     before, after = phase["connector"]["before"], phase["connector"]["after"]
 
     def diff(name: str, key: str) -> float:
         return after.get(name, {}).get(key, 0) - before.get(name, {}).get(key, 0)
-    return diff("restore", "wall_s"), int(diff("decode_pages", "calls"))
+    return diff("restore", "wall_s"), int(diff("open", "calls"))
 
 
-def trace_cells(phases: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
-    reference = {(p["concurrency"], q["turn"], q["session"]): q["output"]
-                 for p in phases if p["config"] == "vllm-prefix" for q in p["requests"]}
+def reference_outputs(phases: list[dict[str, Any]]) -> dict[tuple[int, int, int], dict[str, Any]]:
+    """vLLM's prefix cache's requests (output tokens, top candidates where recorded) by (concurrency, turn, session)."""
+    return {(p["concurrency"], q["turn"], q["session"]): q
+            for p in phases if p["config"] == "vllm-prefix" and "error" not in p for q in p["requests"]}
+
+
+def divergence(request: dict[str, Any], reference: dict[str, Any]) -> str:
+    """Where a request's output first differs from the reference's, and how far apart the two tokens were there.
+
+    With top candidates recorded (``bench.py --logprobs``), the gap is the log-probability of the token a run chose
+    less that of the other token, in either run's candidates: 0 is an exact tie, which batches composed otherwise
+    may break either way on vLLM's CPU build; a wrong cache moves the distribution far more."""
+    at = next(i for i, (a, b) in enumerate(zip(request["output"], reference["output"])) if a != b)
+    where = f"session {request['session']} turn {request['turn']} at output token {at}"
+    gaps = []
+    for run, chosen, other in ((request, request["output"][at], reference["output"][at]),
+                               (reference, reference["output"][at], request["output"][at])):
+        candidates = dict((int(t), lp) for t, lp in run["top"][at]) if len(run.get("top") or ()) > at else {}
+        if chosen in candidates and other in candidates:
+            gaps.append(candidates[chosen] - candidates[other])
+    return where + (f" ({max(gaps):.3f} nats apart)" if gaps else " (no log-probabilities recorded)")
+
+
+#: Settings that decide a trace's prompts and outputs: a reference from another cell's run holds only if they agree.
+TRACE_SETTINGS = ("model", "sessions", "turns", "context", "output_tokens", "seed")
+
+
+def trace_cells(phases: list[dict[str, Any]],
+                reference: dict[tuple[int, int, int], dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
     cells = {}
     for p in phases:
         if "error" in p:
             continue
         requests = p["requests"]
         restored = [q for q in requests if q["cached_tokens"] > 0]
-        same = [q for q in restored if reference.get((p["concurrency"], q["turn"], q["session"])) == q["output"]]
+        compared = [q for q in restored if (p["concurrency"], q["turn"], q["session"]) in reference]
+        differ = [divergence(q, ref) for q in compared
+                  if (ref := reference[(p["concurrency"], q["turn"], q["session"])])["output"] != q["output"]]
         if p.get("connector"):
             l2_seconds, entries = _connector_restore(p)
             tasks = None
@@ -90,7 +118,8 @@ def trace_cells(phases: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str,
             "l2_tasks": tasks, "l2_seconds": l2_seconds,
             "l2_per_restored": l2_seconds / len(restored) if restored else None,
             "l2_chunks": entries, "held": held,
-            "same": len(same), "of": len(restored), "reference": p["config"] == "vllm-prefix",
+            "same": len(compared) - len(differ), "differ": differ, "of": len(compared), "restored_of": len(restored),
+            "reference": p["config"] == "vllm-prefix",
             "resident_after_drop": p.get("resident_after_drop") or [],
         }
     return cells
@@ -106,7 +135,8 @@ def trace_table(cells: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
         held = "-" if x["held"] is None else f"{x['held'] / 2**20:.1f} MiB"
         resident = [r for r in x["resident_after_drop"] if r is not None]
         cached = f"{max(resident) / 2**20:.2f} MiB" if resident else "-"
-        check = "(reference)" if x["reference"] else f"{x['same']} of {x['of']} restored"
+        check = ("(reference)" if x["reference"] else f"{x['same']} of {x['of']} restored" if x["of"] == x["restored_of"]
+                 else f"{x['same']} of {x['of']} compared ({x['restored_of']} restored)")
         hit = "-" if x["hit_rate"] is None else f"{x['hit_rate']:.0%}"
         lines.append(f"| {config} | {c} | {x['requests']} | {x['ttft_p50']:.3f} | {loads} | {per} | "
                      f"{x['restored_tokens']} | {hit} | {held} | {cached} | {check} |")
@@ -165,16 +195,33 @@ def targets(cell: str, chunks: dict[str, dict[str, Any]], cells: dict[tuple[str,
             out.append(_target(f"{cell} c={c}: kvtool's connector TTFT p50 <= LMCache's (fs L2)",
                                conn["ttft_p50"] <= lm["ttft_p50"], f"{conn['ttft_p50']:.3f} vs {lm['ttft_p50']:.3f} s"))
     for (config, c), x in sorted(cells.items()):
-        if not x["reference"]:
+        if not x["reference"] and x["of"] < x["restored_of"]:
+            out.append(f"- {config} c={c}: outputs = vLLM's prefix cache: NOT COMPARED on {x['restored_of'] - x['of']} "
+                       f"of {x['restored_of']} restored requests (no reference output for them)")
+        elif not x["reference"]:
             out.append(_target(f"{config} c={c}: outputs = vLLM's prefix cache on every restored request",
-                               x["same"] == x["of"], f"{x['same']} of {x['of']}"))
+                               x["same"] == x["of"], "; ".join([f"{x['same']} of {x['of']}", *x["differ"]])))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path)
-    data = json.loads(p.parse_args().results.read_text())
+    p.add_argument("--reference", type=Path, default=None,
+                   help="another cell's JSON whose vLLM prefix-cache outputs to compare with, where this run has none "
+                        "(the same model and trace settings)")
+    args = p.parse_args()
+    data = json.loads(args.results.read_text())
+    reference = reference_outputs(data.get("trace", []))
+    reference_note = []
+    if not reference and args.reference is not None:
+        other = json.loads(args.reference.read_text())
+        differ = [k for k in TRACE_SETTINGS if other["settings"].get(k) != data["settings"].get(k)]
+        if differ:
+            p.error(f"{args.reference} ran another trace ({', '.join(differ)} differ): its outputs are no reference")
+        reference = reference_outputs(other.get("trace", []))
+        reference_note = [(f"No vLLM prefix-cache run in this cell's run: outputs compared with the one of cell "
+                           f"`{other['cell']}` ({other['started']}), the same model and trace.")]
     lines = [f"Cell `{data['cell']}`, {data['started']} to {data.get('finished', '(unfinished)')}, "
              f"{data['cpus']} CPUs shared with other work; load average (1, 5, 15 min) before and after each part: "
              + "; ".join(f"{x['part']}{x['label']} {x['before']} -> {x['after']}" for x in data["load"]) + "."]
@@ -188,8 +235,8 @@ def main() -> None:
         lines.append(f"**{failed['config']}" + (f" c={failed['concurrency']}" if "concurrency" in failed else "")
                      + f" did not finish**: {failed['error'][:300]}")
     chunk_lines, chunks = chunk_table(data.get("chunks", [])) if data.get("chunks") else ([], {})
-    cells = trace_cells(data.get("trace", []))
-    print("\n".join([*lines, "", *chunk_lines, "", *(trace_table(cells) if cells else []), "",
+    cells = trace_cells(data.get("trace", []), reference)
+    print("\n".join([*lines, *reference_note, "", *chunk_lines, "", *(trace_table(cells) if cells else []), "",
                      *targets(data["cell"], chunks, cells)]))
 
 

@@ -172,7 +172,8 @@ async def run_phase(servers: Servers, config: str, concurrency: int, cell: Cell,
         if cell.cold and folder is not None and kind_of(config) != REFERENCE:
             drop(folder)
             resident.append(resident_bytes(folder))
-        for session, row in enumerate(await vs.run_batch(servers.port, prompts, concurrency, args.output_tokens)):
+        batch = await vs.run_batch(servers.port, prompts, concurrency, args.output_tokens, args.logprobs)
+        for session, row in enumerate(batch):
             rows.append({"turn": turn, "session": session, "stored_before": phase.stored[turn][session], **row})
         await asyncio.sleep(args.settle)
     stats_after = _stats(servers.stats)
