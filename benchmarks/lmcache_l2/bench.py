@@ -72,7 +72,7 @@ def run_parts(cell: Cell, args: argparse.Namespace, workdir: Path, place_of: Cal
         steps.append(("decoder", lambda: chunk_part.decoder(("exphuff", "none"), args.repeats, args.chunks)))
     if "tier" in parts and cell.tiers:
         steps.append(("tier", lambda: tier_part.run(cell.tiers, args.repeats, args.chunks, cell.cold, place_of, label)))
-    configs = tuple(c for c in cell.trace if c != REFERENCE)
+    configs = tuple(c for c in cell.trace if c != REFERENCE and (args.configs is None or c in args.configs))
     if "trace" in parts:
         steps.append(("trace", lambda: asyncio.run(trace_part.run(cell, configs, args, workdir, place_of, label))))
     for part, step in steps:
@@ -131,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cell", choices=sorted(CELLS), default="warm")
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/lmcache_l2_CELL.json")
     p.add_argument("--parts", default="chunks,tier,trace,reference")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=None,
+                   help="trace part: only these of the cell's configurations (default: all)")
     p.add_argument("--chunks", type=int, default=16, help="chunks per store and load (chunk and tier parts)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of the chunk and tier parts")
     p.add_argument("--model", type=Path, default=ROOT / "out" / "smollm2-135m")
