@@ -89,9 +89,10 @@ class ZstdCodec(Codec):
         if arg in PRESETS:
             return cls(**PRESETS[arg])
         try:
-            return cls(level=int(arg))
+            level = int(arg)
         except ValueError:
             raise UsageError(f"codec 'zstd': give a level or one of {', '.join(PRESETS)}, not {arg!r}") from None
+        return cls(level=level)  # its range is checked there (usage errors are ValueErrors too)
 
     def get_config(self) -> dict:
         """The level and threads, plus only the tuning parameters that are set."""
