@@ -84,6 +84,16 @@ class Layout(Component, abc.ABC):
         """
         return self
 
+    def for_block(self, position: int, end: int) -> "Layout":
+        """This layout as it applies to a block whose first token is at ``position`` of its sequence, in a cache
+        that ends before position ``end``: what a writer asks before it transforms a block.
+
+        Most layouts treat every block alike and return themselves; a stage may keep some tokens
+        exact or turn keys back by their positions (``pca``). Decoding never needs it: a plane
+        that depends on where its block lies says so itself.
+        """
+        return self
+
     def axis_after(self, axis: int) -> int:
         """Where axis ``axis`` (negative, counted from the end) of an input plane lies in the outputs.
 
