@@ -173,8 +173,8 @@ typedef struct {
 } encode_scratch;
 
 /* Each token's coefficients and symbols; tokens that cannot be coded join the exact ones. Returns the count
- * of coded tokens, or -1 on a non-finite value. */
-static long quantize_block(const kvn_pca_model *m, int dtype, size_t tokens, const uint8_t *src, uint64_t position,
+ * of coded tokens. */
+static size_t quantize_block(const kvn_pca_model *m, int dtype, size_t tokens, const uint8_t *src, uint64_t position,
                            encode_scratch *s) {
     size_t w = kvn_itemsize(dtype), c = m->components, coded = 0;
     double top = top_of(dtype) / 2;
@@ -182,9 +182,7 @@ static long quantize_block(const kvn_pca_model *m, int dtype, size_t tokens, con
         if (s->exact[t]) continue;
         for (size_t h = 0; h < m->heads; h++)
             for (size_t d = 0; d < m->dim; d++) {
-                float v = load_value(dtype, src + ((h * tokens + t) * m->dim + d) * w);
-                if (!isfinite(v)) return -1;
-                s->x[h * m->dim + d] = v;
+                s->x[h * m->dim + d] = load_value(dtype, src + ((h * tokens + t) * m->dim + d) * w);
             }
         if (m->rope) {
             kvn_pca_rotation(m, position + t, s->cs, s->sn);
@@ -211,7 +209,7 @@ static long quantize_block(const kvn_pca_model *m, int dtype, size_t tokens, con
         }
         coded++;
     }
-    return (long)coded;
+    return coded;
 }
 
 /* Each component's class (0: every symbol 0), as the reference's choose_classes. */
@@ -296,11 +294,13 @@ int kvn_pca_encode(const kvn_pca_model *m, int dtype, size_t tokens, const void 
                         malloc(4 * m->width), malloc(4 * c + 4), malloc(2 * m->dim + 4), malloc(2 * m->dim + 4)};
     int rc = s.exact && s.syms && s.nbits && s.extra && s.x && s.y && s.acc && s.cs && s.sn ? KVN_OK : KVN_ERR_NOMEM;
     memset(plane, 0, plane_len);
+    size_t w = kvn_itemsize(dtype), count = tokens * m->width;
+    for (size_t i = 0; rc == KVN_OK && i < count; i++)  /* exact tokens too: a NaN is refused wherever it is */
+        if (!isfinite(load_value(dtype, (const uint8_t *)src + i * w))) rc = KVN_ERR_ARG;
     if (rc == KVN_OK) {
         for (size_t t = 0; t < tokens; t++) s.exact[t] = exact_in[t] != 0;
-        long coded = quantize_block(m, dtype, tokens, src, position, &s);
-        if (coded < 0) rc = KVN_ERR_ARG;
-        else if ((rc = encode_coded(m, dtype, tokens, src, position, &s, (size_t)coded, plane, plane_len)) == DOES_NOT_FIT) {
+        size_t coded = quantize_block(m, dtype, tokens, src, position, &s);
+        if ((rc = encode_coded(m, dtype, tokens, src, position, &s, coded, plane, plane_len)) == DOES_NOT_FIT) {
             memset(plane, 0, plane_len);  /* the block as it is */
             memcpy(plane + 1, src, tokens * m->width * kvn_itemsize(dtype));
             rc = KVN_OK;

@@ -73,8 +73,10 @@ class Pca(LossyLayout):
         self.dict = dict
         self.step, self.kstep, self.vstep, self.bits = (_step(name, value) for name, value in
                                                        (("step", step), ("kstep", kstep), ("vstep", vstep), ("bits", bits)))
-        if not (self.step or self.bits) or (self.step and self.bits):
-            raise UsageError(f"layout {self.layout_id!r}: give one target, step= (an error) or bits= (a rate)")
+        steps = (self.kstep or self.step, self.vstep or self.step)
+        if (self.bits and any((self.step, self.kstep, self.vstep))) or not (self.bits or all(steps)):
+            raise UsageError(f"layout {self.layout_id!r}: give one target, step= (an error: kstep= and vstep= for one "
+                             "kind) or bits= (a rate)")
         self.sink = int_param(self.layout_id, "sink", sink, 0, MAX_TOKENS)
         self.recent = int_param(self.layout_id, "recent", recent, 0, MAX_TOKENS)
         self._kind: str | None = None
@@ -107,8 +109,9 @@ class Pca(LossyLayout):
                              "transform bases; kvtool train --basis makes those")
         return found
 
-    def tensor(self) -> ref.Tensor:
-        """The bound tensor's coder: its basis rows that are coded, its step, the coefficient tables."""
+    def tensor(self, block: PlaneSpec | None = None) -> ref.Tensor:
+        """The bound tensor's coder: its basis rows that are coded, its step, the coefficient tables; ``UsageError``
+        where ``block``'s heads and head size are not the dictionary's."""
         if self._kind is None or self._layer is None:
             raise UsageError(f"layout {self.spec()!r} codes each tensor with its own basis: bind it with for_kind(kind, layer) "
                              "(a .kvz recipe does)")
@@ -119,6 +122,10 @@ class Pca(LossyLayout):
             found = _coder(self.dictionary(), self._layer, self._kind, self._relative_step(self._kind))
             with self._shared["lock"]:
                 self._shared["tensors"][key] = found
+        if block is not None and (block.shape[0], block.shape[2]) != (found.heads, found.dim):
+            raise UsageError(f"layout {self.layout_id!r}: dictionary {self.dict[:8]} was learnt from "
+                             f"{self.dictionary().describe()}; these blocks are {block.shape[0]} KV heads x "
+                             f"{block.shape[2]}: a dictionary of another model")
         return found
 
     def _relative_step(self, kind: str) -> float:
@@ -133,12 +140,9 @@ class Pca(LossyLayout):
 
     # -- planes -------------------------------------------------------------------------------------
     def plan_plane(self, spec: PlaneSpec) -> list[PlaneSpec]:
+        """The plane's size follows from the block's alone; the dictionary is looked up when a block is coded."""
         dtype = self.check_input(spec)
         heads, tokens, dim = spec.shape
-        dictionary = self.dictionary()
-        if (heads, dim) != (dictionary.heads, dictionary.dim):
-            raise UsageError(f"layout {self.layout_id!r}: dictionary {self.dict[:8]} was learnt from {dictionary.describe()}; "
-                             f"these blocks are {heads} KV heads x {dim}: a dictionary of another model")
         if tokens > MAX_TOKENS:
             raise UsageError(f"layout {self.layout_id!r} takes blocks of at most {MAX_TOKENS} tokens")
         size = ref.plane_size(heads, tokens, dim, dtype.itemsize)
@@ -154,7 +158,7 @@ class Pca(LossyLayout):
 
     def forward_plane(self, plane: np.ndarray) -> list[np.ndarray]:
         (spec,) = self.plan_plane(PlaneSpec.of(plane))
-        block, tensor = np.ascontiguousarray(plane), self.tensor()
+        block, tensor = np.ascontiguousarray(plane), self.tensor(PlaneSpec.of(plane))
         exact = self.exact_tokens(block.shape[1])
         if self._position + block.shape[1] > ref.MAX_POSITION:
             raise UsageError(f"layout {self.layout_id!r} takes sequence positions below {ref.MAX_POSITION}")
@@ -174,7 +178,7 @@ class Pca(LossyLayout):
         return out
 
     def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
-        tensor, core = self.tensor(), _native.core()
+        tensor, core = self.tensor(spec), _native.core()
         if core is None or tensor.native is None:
             np.copyto(out, ref.decode(planes[0], tensor, spec.shape, spec.dtype))
             return
@@ -184,7 +188,7 @@ class Pca(LossyLayout):
             raise DecodeError(f"pca block: {'malformed' if status == 1 else f'decoder status {status}'}")
 
     def error_bound(self, block: np.ndarray) -> np.ndarray:
-        return error_bound(block, self.tensor(), self._position, self.exact_tokens(block.shape[1]))
+        return error_bound(block, self.tensor(PlaneSpec.of(block)), self._position, self.exact_tokens(block.shape[1]))
 
     def describe(self) -> dict[str, Any]:
         """The stage's basis and allocation as a reader reports them (``kvtool inspect``)."""

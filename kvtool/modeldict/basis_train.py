@@ -70,15 +70,18 @@ class _Moments:
         self.sum += vectors.sum(axis=0)
         self.outer += vectors.T @ vectors
         self.squares += float(np.square(vectors).sum())
-        self.blocks += [vectors[t : t + chunk_tokens] for t in range(0, len(vectors), chunk_tokens)]
+        self.blocks += [vectors[t : t + chunk_tokens].copy() for t in range(0, len(vectors), chunk_tokens)]
+        if len(self.blocks) > 4 * CALIBRATION_BLOCKS:  # memory stays bounded: every other block kept, spread over all
+            self.blocks = self.blocks[::2]
 
-    def basis(self, layer: int, kind: str) -> tuple[TensorBasis, np.ndarray]:
-        """The tensor's basis (rates still zero) and its float64 eigenvectors ``[D, D]`` by row."""
+    def basis(self, layer: int, kind: str, components: int) -> tuple[TensorBasis, np.ndarray]:
+        """The tensor's basis of its first ``components`` components (rates still zero) and their float64
+        eigenvectors, by row."""
         mean = self.sum / self.count
         covariance = self.outer / self.count - np.outer(mean, mean)
         variance, vectors = np.linalg.eigh((covariance + covariance.T) / 2)
         order = np.argsort(-variance, kind="stable")
-        variance, vectors = np.maximum(variance[order], 0.0), vectors[:, order].T
+        variance, vectors = np.maximum(variance[order], 0.0)[:components], vectors[:, order].T[:components]
         flip = vectors[np.arange(len(vectors)), np.abs(vectors).argmax(axis=1)] < 0
         vectors[flip] *= -1
         rows = np.clip(np.rint(vectors * (1 << BASIS_BITS)), -(1 << BASIS_BITS), 1 << BASIS_BITS).astype(np.int16)
@@ -94,11 +97,15 @@ def train_basis(
     classes: int = DEFAULT_CLASSES,
     chunk_tokens: int = 256,
     on_progress: Callable[[str], None] | None = None,
+    components: int | None = None,
 ) -> BasisDictionary:
     """A transform dictionary learnt from ``caches`` (read one at a time); keys de-rotated with ``rope_theta``'s
-    frequencies where it is given. Its metadata says what it was learnt from."""
+    frequencies where it is given; each tensor's first ``components`` components kept (default: all; fewer make a
+    smaller dictionary whose stage codes no more than they). Its metadata says what it was learnt from."""
     if not 1 <= classes <= MAX_CLASSES:
         raise UsageError(f"classes must be in 1..{MAX_CLASSES}, not {classes}")
+    if components is not None and components < 1:
+        raise UsageError(f"components must be at least 1, not {components}")
     moments: dict[tuple[int, str], _Moments] = {}
     sources, facts, shape, frequencies = [], {}, None, None
     for cache in caches:
@@ -120,7 +127,8 @@ def train_basis(
             on_progress(f"read {cache.num_layers} layers x {cache.num_tokens} tokens")
     if shape is None:
         raise UsageError("no KV data to train on")
-    bases = {key: m.basis(*key) for key, m in sorted(moments.items(), key=lambda kv: (kv[0][0], kv[0][1]))}
+    kept = min(components or shape[0] * shape[1], shape[0] * shape[1])
+    bases = {key: m.basis(*key, kept) for key, m in sorted(moments.items(), key=lambda kv: (kv[0][0], kv[0][1]))}
     steps = (2.0 ** ((np.arange(GRID) - GRID_ZERO) / GRID_PER_OCTAVE)).astype(np.float32)
     samples = {key: _sample(m.blocks) for key, m in moments.items()}
     tables = _class_tables(bases, samples, classes)
