@@ -44,6 +44,7 @@ from kvtool.layouts.lossy import LossyLayout, choice_param, finite_values, int_p
 from kvtool.layouts.pca_bound import error_bound
 from kvtool.modeldict import registry
 from kvtool.modeldict.basis import PROB_BITS, BasisDictionary, coded_components
+from kvtool.modeldict.registry import MissingDictionaryError
 from kvtool.modeldict.coefficients import SYMBOLS, costs
 
 KINDS = ("k", "v")
@@ -191,9 +192,13 @@ class Pca(LossyLayout):
         return error_bound(block, self.tensor(PlaneSpec.of(block)), self._position, self.exact_tokens(block.shape[1]))
 
     def describe(self) -> dict[str, Any]:
-        """The stage's basis and allocation as a reader reports them (``kvtool inspect``)."""
-        dictionary = self.dictionary()
-        return {"dictionary": self.dict, "learnt_from": dictionary.describe(), "rope": dictionary.rope,
+        """The stage's basis and allocation as a reader reports them (``kvtool inspect``); ``found`` False where
+        the dictionary is not known here."""
+        try:
+            dictionary = self.dictionary()
+        except MissingDictionaryError:
+            return {"dictionary": self.dict, "found": False}
+        return {"dictionary": self.dict, "found": True, "learnt_from": dictionary.describe(), "rope": dictionary.rope,
                 "steps": {kind: self._relative_step(kind) for kind in KINDS}, "sink": self.sink, "recent": self.recent}
 
 
