@@ -3,11 +3,14 @@ the lossy conformance suite, exact tokens, dictionaries that are missing or belo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from kvtool import _native
 from kvtool.cache import DTYPES, KVCache
+from kvtool.codecs import get_codec
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz import KvzReader, encode_cache
 from kvtool.layouts import get_layout
@@ -23,6 +26,7 @@ from kvtool.recipe import Recipe
 from kvtool.testing.lossy import LossyLayoutTests
 
 SMOLLM2_THETA = 1e5
+GOLDEN = Path(__file__).parent / "golden"
 needs_core = pytest.mark.skipif(_native.core() is None, reason="the native core is not built: the reference is tested alone")
 
 
@@ -195,3 +199,18 @@ def test_dictionary_bytes_round_trip_and_refusals(basis):
     with pytest.raises(DecodeError, match="order"):
         BasisDictionary(basis.heads, basis.dim, basis.frequencies, basis.steps, basis.class_model, basis.class_tables,
                         basis.tensors[::-1])
+
+
+def test_the_golden_file_holds_coded_planes():
+    """It pins the coded plane (mode 1, sink tokens in the first blocks), not the fallback that stores a block as is."""
+    with KvzReader.from_bytes((GOLDEN / "v1-lossy-pca.kvz").read_bytes()) as reader:
+        registry.load(GOLDEN / "pca-basis.kvd")
+        planes = []
+        data = (GOLDEN / "v1-lossy-pca.kvz").read_bytes()
+        zstd = get_codec("zstd:1")
+        for entry in reader.index:
+            stored = data[int(entry["offset"]) : int(entry["offset"]) + int(entry["stored_len"])]
+            planes.append(stored if entry["flags"] & 1 else zstd.decode(stored, max_size=int(entry["raw_len"])))
+    assert all(plane[0] == ref.MODE_CODED for plane in planes)
+    exact = [int.from_bytes(plane[24:28], "little") for plane in planes]
+    assert exact == [2 if entry["token_start"] == 0 else 0 for entry in reader.index]
