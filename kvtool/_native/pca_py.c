@@ -16,6 +16,7 @@ static void model_free(kvn_pca_model *m) {
     free(m->weights);
     free(m->basis);
     free(m->freqs);
+    free(m->pairs);
     free(m);
 }
 
@@ -37,7 +38,8 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
     m->weights = malloc(4 * width * (components ? components : 1));
     m->basis = malloc(2 * width * (components ? components : 1));
     m->freqs = freqs ? malloc(4 * (dim / 2) + 4) : NULL;
-    if (!m->mean || !m->weights || !m->basis || (freqs && !m->freqs)) {
+    m->pairs = calloc((components + 1) / 2 + 1, 4 * width);
+    if (!m->mean || !m->weights || !m->basis || (freqs && !m->freqs) || !m->pairs) {
         model_free(m);
         return NULL;
     }
@@ -45,8 +47,11 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
     for (size_t i = 0; i < width; i++) m->mean_max = fmax(m->mean_max, fabs((double)mean[i]));
     memcpy(m->basis, basis, 2 * width * components);
     for (size_t j = 0; j < components; j++)
-        for (size_t i = 0; i < width; i++)
+        for (size_t i = 0; i < width; i++) {
             m->weights[i * components + j] = (float)basis[j * width + i] * (float)ldexp(1.0, -KVN_PCA_BASIS_BITS);
+            uint32_t half = (uint16_t)basis[j * width + i];
+            m->pairs[(j / 2) * width + i] |= (int32_t)(j % 2 ? half << 16 : half);
+        }
     if (freqs) memcpy(m->freqs, freqs, 4 * (dim / 2));
     for (int model = 0; model <= classes; model++) {
         uint32_t sum = 0;
@@ -54,7 +59,9 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
             uint16_t f = freq[model * KVN_PCA_SYMBOLS + s];
             m->freq[model][s] = f;
             m->cum[model][s] = (uint16_t)sum;
-            for (uint32_t slot = sum; slot < sum + f && slot < (1u << KVN_PCA_PROB_BITS); slot++) m->lookup[model][slot] = (uint8_t)s;
+            for (uint32_t slot = sum; slot < sum + f && slot < (1u << KVN_PCA_PROB_BITS); slot++) {
+                m->slots[model][slot] = f | (slot - sum) << 12 | (uint32_t)s << 23;
+            }
             sum += f;
         }
         if (sum != 1u << KVN_PCA_PROB_BITS) {
@@ -65,6 +72,10 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
     for (int k = 0; k < classes; k++)
         for (int s = 0; s < KVN_PCA_SYMBOLS; s++) m->table_costs[k][s] = table_costs[k * KVN_PCA_SYMBOLS + s];
     for (int k = 0; k <= classes; k++) m->class_costs[k] = class_costs[k];
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    m->avx2 = __builtin_cpu_supports("avx2");
+#endif
     return m;
 }
 

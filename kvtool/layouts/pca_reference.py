@@ -277,6 +277,8 @@ def _read_coefficients(stream: bytes, extra_bytes: bytes, tensor: Tensor, tokens
             if s > MAX_SYMBOL:
                 raise DecodeError("pca block: a symbol the format does not use")
             row[j] = value_of(s, extra)
+            if abs(row[j]) > MAX_Q:
+                raise DecodeError("pca block: a coefficient beyond the format's")
     decoder.finish()
     extra.finish()
     return q
