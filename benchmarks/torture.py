@@ -189,6 +189,17 @@ def engine_spec(model: str, store: str | None, prefix_caching: bool, shape: dict
     return {"model": model, "store": store, "prefix_caching": prefix_caching, "seed": seed, **shape}
 
 
+def show_progress(number: int, total: int, outputs: list, reference_out: list, faults: dict[str, int],
+                  started: float) -> None:
+    """A line a round on stderr: how far the run is, and how many outputs differ so far (a run cut short still
+    says what it found)."""
+    done = [(got, want) for r in range(number + 1) for b, batch in enumerate(outputs[r])
+            for got, want in zip(batch, reference_out[r][b])]
+    print(f"round {number + 1}/{total}: {len(done)} requests, {sum(got['restored'] > 0 for got, _ in done)} restored, "
+          f"{sum(got['tokens'] != want['tokens'] for got, want in done)} differ, faults {faults}, "
+          f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+
 #: Two tokens whose log-probabilities differ by less than this (nats) are a near tie: bf16 arithmetic
 #: that starts from another position (where vLLM's cache or kvtool's entries end) may pick either.
 NEAR_TIE = 0.5
@@ -272,14 +283,7 @@ def run(args: argparse.Namespace) -> dict:
                 injector.inject(rnd.fault, swap_engine)
 
         def progress(number: int, outputs: list) -> None:
-            """A line a round on stderr: how far the run is, and how many outputs differ so far (a run
-            cut short still says what it found)."""
-            done = [(got, want) for r in range(number + 1) for b, batch in enumerate(outputs[r])
-                    for got, want in zip(batch, reference_out[r][b])]
-            print(f"round {number + 1}/{len(rounds)}: {len(done)} requests, "
-                  f"{sum(got['restored'] > 0 for got, _ in done)} restored, "
-                  f"{sum(got['tokens'] != want['tokens'] for got, want in done)} differ, faults {tally.faults}, "
-                  f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+            show_progress(number, len(rounds), outputs, reference_out, tally.faults, started)
 
         kvtool_out = run_rounds(engines, rounds, args.max_tokens, before_round, progress)
         for engine in engines:
@@ -311,28 +315,38 @@ def run(args: argparse.Namespace) -> dict:
             "differences": differences, "seconds": round(time.monotonic() - started, 1), **({"work": str(work)} if args.keep else {})}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_arguments(parser: argparse.ArgumentParser, faults: tuple[str, ...], block_sizes: list[int]) -> None:
+    """The options every torture over this workload takes (benchmarks/torture_lmcache.py too)."""
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="workload seed (printed)")
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--fault-rate", type=float, default=0.5, help="chance of a fault before each round")
-    parser.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
-    parser.add_argument("--block-sizes", type=int, nargs="*", default=[16, 32, 64, 128])
+    parser.add_argument("--faults", nargs="*", default=list(faults), choices=faults)
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=block_sizes)
     parser.add_argument("--max-prompt-chars", type=int, default=5000, help="a prompt's length at most")
     parser.add_argument("--file-capacity-mib", type=int, default=64, help="the file tier's capacity")
     parser.add_argument("--model", default=str(ROOT / "out" / "smollm2-135m"))
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (engine logs, store)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, store)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    args = parser.parse_args(argv)
-    print(f"torture: seed {args.seed}, {args.requests} requests", file=sys.stderr, flush=True)
-    result = run(args)
-    if args.json:
+
+
+def report(result: dict, as_json: bool) -> None:
+    """The result as one JSON line, or a table."""
+    if as_json:
         print(json.dumps(result))
     else:
         for name, value in result.items():
             print(f"{name:24} {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_arguments(parser, FAULTS, [16, 32, 64, 128])
+    args = parser.parse_args(argv)
+    print(f"torture: seed {args.seed}, {args.requests} requests", file=sys.stderr, flush=True)
+    result = run(args)
+    report(result, args.json)
     return 1 if result["wrong"] else 0
 
 

@@ -3,15 +3,18 @@
     python benchmarks/torture_engine.py SPEC.json
 
 SPEC: {"model": DIR, "store": URL or null (no connector: vLLM alone), "prefix_caching": bool,
-       "block_size": 128, "num_blocks": N or null, "chunk_tokens": 256, "seed": 0}
+       "block_size": 128, "num_blocks": N or null, "chunk_tokens": 256, "seed": 0,
+       "lmcache_port": N or null (LMCache's LMCacheMPConnector to the LMCache server on that port instead
+       of kvtool's connector; vLLM then runs its engine core in a process of its own, as served)}
 Then one JSON command a line on stdin: {"prompts": [{"text": ... or "token_ids": [...],
 "salt": ... or null}], "max_tokens": 8} (or {"reset": true}: empty vLLM's prefix cache),
 and one JSON line a command on stdout, prefixed ``RESULT ``:
 {"results": [{"tokens": [...], "prompt_token_ids": [...], "logprobs": [{token: logprob} of the
 top 5, a generated token each], "restored": n, "failed_entries": n}],
 "preemptions": n} (vLLM's count since the engine started).
-``restored`` is what kvtool's connector logged for the request ("restored N tokens");
-``failed_entries`` the entries it refused and left to vLLM to recompute. The engine
+``restored`` is what kvtool's connector logged for the request ("restored N tokens"), or with
+LMCache the prompt tokens vLLM did not compute (its prefix cache is off then: all came from
+LMCache); ``failed_entries`` the entries kvtool's connector refused and left to vLLM to recompute. The engine
 prints ``READY`` once loaded and runs until stdin closes (or it is killed, which the
 torture harness does on purpose).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,7 +60,14 @@ def _options(spec: dict) -> dict:
     )
     if spec.get("num_blocks"):
         options["num_gpu_blocks_override"] = spec["num_blocks"]
-    if spec.get("store"):
+    if spec.get("lmcache_port"):
+        del options["distributed_executor_backend"]  # LMCache's connector in vLLM's own worker process, as served
+        options["kv_transfer_config"] = {
+            "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": spec["lmcache_port"],
+                                          "lmcache.mp.mp_transfer_mode": "lmcache_driven"},
+        }
+    elif spec.get("store"):
         options["kv_transfer_config"] = {
             "kv_connector": "KvtoolConnector", "kv_connector_module_path": "kvtool.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -89,6 +100,8 @@ def main() -> None:
 
     protocol = sys.stdout
     sys.stdout = sys.stderr  # vLLM logs to stdout; only the protocol's lines go there
+    if spec.get("lmcache_port"):  # LMCache's connector does not load beside the model in one process
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     from vllm import LLM, SamplingParams
 
     llm = LLM(**_options(spec))
@@ -108,6 +121,8 @@ def main() -> None:
         results = []
         for out in outputs:
             restored, failed = _restore_of(out.request_id, found)
+            if spec.get("lmcache_port"):
+                restored = out.num_cached_tokens or 0
             top = [{str(t): lp.logprob for t, lp in step.items()} for step in (out.outputs[0].logprobs or [])]
             results.append({"tokens": list(out.outputs[0].token_ids), "prompt_token_ids": list(out.prompt_token_ids),
                             "logprobs": top, "restored": restored, "failed_entries": failed})

@@ -8,6 +8,7 @@ vllm, QATzip) is imported until the component that needs it is used.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,7 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]  # noqa: PLE0604 - the keys of _LAZY: names
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # the lazily imported names, as their modules type them
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kvtool' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvtool.errors import UsageError
 
@@ -26,7 +26,7 @@ class Component:
 
     @classmethod
     def component_id(cls) -> str:
-        return getattr(cls, cls.id_attr)
+        return cast(str, getattr(cls, cls.id_attr))
 
     @classmethod
     def config_id(cls) -> str:

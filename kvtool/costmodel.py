@@ -27,23 +27,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from kvtool.errors import UsageError
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str = "bf16"
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Keys and values of every layer for one token."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * DTYPE_BYTES[self.dtype]
-
+from kvtool.model_shape import ModelShape
 
 @dataclass(frozen=True)
 class Prefill:
@@ -155,11 +139,12 @@ def break_even(inputs: Inputs, tier: Tier, codec: CodecCost, limit: int = BREAK_
 
 
 def capacity(inputs: Inputs, codec: CodecCost, context: int, concurrency: int, retained: int) -> dict[str, int]:
-    """Bytes for ``concurrency`` running sessions (raw, in the engine) and ``retained`` idle ones (stored)."""
+    """Bytes for ``concurrency`` running sessions (raw, in the engine: windowed layers hold only their window)
+    and ``retained`` idle ones (stored: every token of every KV layer)."""
     per_session = context * inputs.model.bytes_per_token
     return {
         "bytes_per_session_raw": per_session,
-        "engine_bytes": concurrency * per_session,
+        "engine_bytes": concurrency * inputs.model.engine_bytes(context),
         "store_bytes": math.ceil(retained * per_session / codec.ratio),
     }
 
@@ -189,32 +174,6 @@ def break_even_table(inputs: Inputs) -> list[dict[str, Any]]:
 
 
 # -- inputs from files ------------------------------------------------------------------------
-
-
-def shape_from_config(path: str | Path, dtype: str = "bf16") -> ModelShape:
-    """Layers, KV heads and head dim from a Hugging Face ``config.json``, named after the model."""
-    config = json.loads(Path(path).read_text())
-    config = config.get("text_config", config)
-    heads = config["num_attention_heads"]
-    return ModelShape(
-        name=_model_name(config, Path(path)),
-        layers=config["num_hidden_layers"],
-        kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        dtype=dtype,
-    )
-
-
-def _model_name(config: dict[str, Any], path: Path) -> str:
-    """The model a config describes: its ``_name_or_path``; the ``models--ORG--NAME`` folder of a
-    Hugging Face cache it lies in; its architecture (``Qwen3ForCausalLM``); else its folder's name."""
-    if config.get("_name_or_path"):
-        return str(config["_name_or_path"])
-    for folder in path.absolute().parents:
-        if folder.name.startswith("models--"):
-            return folder.name[len("models--"):].replace("--", "/")
-    architectures = config.get("architectures") or []
-    return str(architectures[0]) if architectures else str(config.get("model_type") or path.parent.name)
 
 
 def shape_from_gguf(path: str | Path, dtype: str = "bf16") -> ModelShape:

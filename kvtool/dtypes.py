@@ -31,7 +31,8 @@ class DType:
 
     @functools.cached_property
     def numpy(self) -> np.dtype:
-        return np.dtype(getattr(importlib.import_module(self.module), self.numpy_name))
+        scalar_type: type = getattr(importlib.import_module(self.module), self.numpy_name)
+        return np.dtype(scalar_type)
 
     @property
     def itemsize(self) -> int:

@@ -24,8 +24,11 @@ class MissingStoreError(KvtoolError):
     """A store that was to be opened as it is, and is not there (``open_store(..., create=False)``)."""
 
 
-class UsageError(KvtoolError):
-    """The caller asked for something that cannot be done (bad spec, bad option)."""
+class UsageError(KvtoolError, ValueError):
+    """The caller asked for something that cannot be done (bad spec, bad option).
+
+    Also a ``ValueError``: a host that loads kvtool by its configuration (vLLM's tier
+    factory, LMCache's adapter config) reports a ``ValueError`` as the user's mistake."""
 
     exit_code = 2
 

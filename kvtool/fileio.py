@@ -28,12 +28,12 @@ _KINDS = {
 }
 
 
-def check_regular(path: str | os.PathLike) -> None:
+def check_regular(path: str | os.PathLike[str]) -> None:
     """Raise ``UsageError`` unless ``path`` is a regular file (following symlinks); never blocks."""
     _require_regular(path, os.stat(path).st_mode)
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """Open an existing regular file for reading; a FIFO or device is refused without blocking on it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -45,12 +45,12 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
         raise
 
 
-def _require_regular(path: str | os.PathLike, mode: int) -> None:
+def _require_regular(path: str | os.PathLike[str], mode: int) -> None:
     if not stat.S_ISREG(mode):
         raise UsageError(f"{os.fspath(path)}: not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'a special file')})")
 
 
-def check_output(path: str | os.PathLike) -> None:
+def check_output(path: str | os.PathLike[str]) -> None:
     """Raise ``UsageError`` unless ``path`` can be written as a file: its folder exists, and it is not a
     directory (nor a link to one, which a rename would replace by the file)."""
     path = Path(path)
@@ -63,7 +63,7 @@ def check_output(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Write to a temporary file beside ``path``; fsync and rename it into place on success.
 
     On any exception the temporary file is removed and ``path`` is left untouched.

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtool._native.batch import BatchCodec
+from kvtool._native.int_batch import IntBatchCodec
 from kvtool.codecs import ArrayCodec, Codec, codec_from_config, get_codec, registry as codec_registry
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
@@ -79,6 +81,31 @@ class Recipe:
     def lossy(self) -> bool:
         """Whether a stage of the recipe stores an approximation: then decoding gives back other bits."""
         return self.layouts.lossy
+
+    # -- what the recipe's stages can do, asked of the stages themselves ------------------------
+    def batch_kernel(self, dtype: np.dtype) -> BatchCodec | None:
+        """The native kernel that codes this recipe's tensors of ``dtype`` and decodes runs of its chunks straight into
+        a destination: its codec's (``Codec.batch_kernel``), where no layout or plane codec comes before it."""
+        if len(self.layouts) or self.plane_codecs:
+            return None
+        return self.codec.batch_kernel(dtype)
+
+    def stage_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
+        """The native kernel of the recipe's only layout (``Layout.batch_kernel``), where every codec of its planes
+        hands planes to it (``Codec.plane_batch``)."""
+        if len(self.layouts) != 1 or not all(c.plane_batch for c in [self.codec, *self.plane_codecs.values()]):
+            return None
+        return self.layouts[0].batch_kernel(dtype)
+
+    @property
+    def gpu_decodes(self) -> bool:
+        """Whether the GPU decoder reads this recipe's chunks (a codec that says so, with no layouts before it)."""
+        return not len(self.layouts) and not self.plane_codecs and self.codec.gpu_decodes
+
+    @property
+    def uses_dictionary(self) -> bool:
+        """Whether a model dictionary codes any of this recipe's planes."""
+        return any(c.uses_dictionary for c in [self.codec, *self.plane_codecs.values()])
 
     def for_kind(self, kind: str, layer: int | None = None) -> "Recipe":
         """The recipe as it applies to keys (``"k"``) or values (``"v"``) of ``layer``; see ``Layout.for_kind``."""

@@ -16,7 +16,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from kvtool.component import Component
 from kvtool.errors import DuplicateIdError, UnavailableError, UnknownIdError, UsageError
@@ -58,6 +58,11 @@ class Registry(Generic[T]):
             raise DuplicateIdError(f"{self.kind} id {id_!r} is already registered")
         self._loaded[id_] = obj
 
+    def unregister(self, id_: str) -> None:
+        """Forget a class ``register`` added (tests and scripts); built-ins and entry points stay."""
+        if id_ not in self._entries:
+            self._loaded.pop(id_, None)
+
     def ids(self) -> list[str]:
         """Every known id, sorted; importing nothing."""
         self._discover()
@@ -91,7 +96,7 @@ class Registry(Generic[T]):
         except ImportError as exc:
             hint = f"; install it with: pip install 'kvtool[{entry.extra}]'" if entry.extra else ""
             raise UnavailableError(f"{self.kind} {id_!r} cannot be imported ({exc}){hint}") from exc
-        return getattr(module, attr)
+        return cast("type[T]", getattr(module, attr))
 
     def _discover(self) -> None:
         if self._discovered:

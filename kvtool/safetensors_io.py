@@ -177,4 +177,5 @@ def _mapped_tensor(path: Path, name: str, dtype: DType) -> np.ndarray:
         entry = json.loads(f.read(length))[name]
     start, end = entry["data_offsets"]
     array = np.memmap(path, dtype=dtype.numpy, mode="r", offset=8 + length + start, shape=(end - start,))
-    return array.reshape(entry["shape"][-3:])
+    tensor: np.ndarray = array.reshape(entry["shape"][-3:])
+    return tensor

@@ -11,11 +11,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import pytest
 
+from kvtool import _native
 from kvtool.cache import KVCache
 from kvtool.errors import DecodeError
 from kvtool.kvz import decode_cache, encode_cache
 from kvtool.testing.arraycodecs import DTYPES
+
+
+#: For tests that compare the core with its reference: skipped only where no core is built (CI builds it).
+needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
 
 
 @dataclass(frozen=True)

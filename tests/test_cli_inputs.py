@@ -187,6 +187,22 @@ def test_absurd_numbers_are_usage_errors(kvz, samples, tmp_path, args, message):
     assert_one_line(result, 2, message)
 
 
+def test_usage_errors_are_value_errors_for_hosts_and_exit_2_for_the_cli(tmp_path):
+    """vLLM's tier factory and LMCache's adapter config treat a ValueError as the user's mistake."""
+    from kvtool.errors import UsageError
+    from kvtool.recipe import Recipe
+    from kvtool.store import open_store
+
+    with pytest.raises(ValueError, match="nosuch") as info:
+        Recipe.parse("nosuch:3")
+    assert isinstance(info.value, UsageError)
+    store = open_store("memory://")
+    store.close()
+    with pytest.raises(ValueError, match="closed"):
+        store.get("k")
+    assert_one_line(run("store", "stats", "--store", "nosuch://x"), 2, "nosuch")
+
+
 def test_the_decode_limit_applies_to_kvz_files(kvz, tmp_path):
     out = tmp_path / "o.safetensors"
     assert_one_line(run("decompress", kvz, out, "--max-size", "1MiB"), 4, "over the limit of 1048576")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvtool import costmodel
+from kvtool import costmodel, model_shape
 from kvtool.cli import app
 
 MEASURED = Path(__file__).parent / "data" / "ttft_hf_smollm2.json"
@@ -26,7 +26,54 @@ def test_bytes_per_token_are_exact():
 def test_shape_from_a_config_file(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096}))
-    assert costmodel.shape_from_config(config).bytes_per_token == 147_456
+    assert model_shape.shape_from_config(config).bytes_per_token == 147_456
+
+
+#: Published configs, the KV parts: DeepSeek-V3 (MLA), Gemma 3 4B (sliding windows), Qwen3-Next-80B (linear attention),
+#: Mistral-7B-v0.1 (a window on every layer), Qwen3-8B (a window it does not use), a Nemotron-H pattern (Mamba-2).
+GEMMA3_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 5 + ["sliding_attention"] * 4
+FAMILY_CONFIGS = {
+    "deepseek-v3": ({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                     "hidden_size": 7168}, 61 * 576 * 2, 61 * 576 * 2 * 32768),
+    "gemma3": ({"num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                "sliding_window": 1024, "layer_types": GEMMA3_TYPES}, 34 * 4096, (5 * 32768 + 29 * 1024) * 4096),
+    "gemma3-pattern": ({"num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "sliding_window": 1024, "sliding_window_pattern": 6}, 34 * 4096, (5 * 32768 + 29 * 1024) * 4096),
+    "qwen3-next": ({"num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12}, 12 * 2048, 12 * 2048 * 32768),
+    "mistral": ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+                 "sliding_window": 4096}, 32 * 4096, 32 * 4096 * 4096),
+    "qwen3": ({"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+               "sliding_window": 4096, "use_sliding_window": False}, 147_456, 147_456 * 32768),
+    "nemotron-h": ({"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "hybrid_override_pattern": "M-M*-M"}, 4096, 4096 * 32768),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+def test_a_config_gives_its_families_kv_bytes(tmp_path, family):
+    config, per_token, engine = FAMILY_CONFIGS[family]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    shape = model_shape.shape_from_config(path)
+    assert shape.bytes_per_token == per_token  # what a stored prompt holds per token: every KV layer's
+    assert shape.engine_bytes(32768) == engine  # what the engine holds for one 32768-token sequence
+
+
+def test_plan_takes_a_config_and_says_what_its_layers_keep(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(FAMILY_CONFIGS["gemma3"][0]))
+    out = plan("--config", path, "--prefill-tps", 1e4, "--tier", "disk:1", "--codec", "raw:1:5", "--build-gbps", 5,
+               "--contexts", "32768", "--concurrency", 1, "--retained", 1, "--json")
+    report = json.loads(out.stdout)
+    assert report["inputs"]["model"]["bytes_per_token"] == 34 * 4096
+    assert report["capacity"][0]["engine_bytes"] == (5 * 32768 + 29 * 1024) * 4096
+    assert report["capacity"][0]["store_bytes"] == 34 * 4096 * 32768
+    text = plan("--config", path, "--prefill-tps", 1e4, "--tier", "disk:1", "--codec", "raw:1:5", "--build-gbps", 5).stdout
+    assert "34 layers x 4 KV heads x 256 dims x K,V x 2 bytes; 29 of them keep a 1024-token window in the engine" in text
+    path.write_text(json.dumps({**FAMILY_CONFIGS["gemma3"][0], "layer_types": ["sliding_attention", "moon_attention"]}))
+    refused = plan("--config", path, "--prefill-tps", 1e4)
+    assert refused.exit_code != 0 and "moon_attention" in refused.stderr
 
 
 def test_prefill_fit_recovers_a_quadratic():
@@ -180,7 +227,7 @@ def test_a_config_file_names_the_report_after_its_model(tmp_path):
     args = ["--hardware", "h800", "--contexts", "1024"]
     assert plan("--model-config", plain, *args, "--prefill-tps", 1e4).stdout.startswith("kvtool plan for Qwen3ForCausalLM:")
     assert plan("--model-config", cached, *args).stdout.startswith("kvtool plan for Qwen/Qwen3-8B:")  # the h800 fit
-    assert costmodel.shape_from_config(plain).name == "Qwen3ForCausalLM"
+    assert model_shape.shape_from_config(plain).name == "Qwen3ForCausalLM"
 
 
 def test_plan_help_points_to_its_documentation():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,11 +15,10 @@ from kvtool.modeldict import format as dict_format
 
 from float_blocks import blocks_with_repeats
 from native_checks import (
-    CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
+    needs_core, CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
 )
 
 core = _native.core()
-needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
 CODEC = get_codec("ctxans")
 DICTIONARY = CODEC.dictionary()
 TABLES = DICTIONARY.tables

@@ -21,11 +21,10 @@ from kvtool.modeldict.format import Dictionary
 
 from float_blocks import blocks_with_repeats
 from native_checks import (
-    CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
+    needs_core, CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
 )
 
 core = _native.core()
-needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
 CODEC = get_codec("ctxtans")
 DICTIONARY = CODEC.dictionary()
 TABLES, MODEL = tables_of(DICTIONARY)
@@ -166,11 +165,10 @@ def test_files_are_the_same_without_the_core(samples):
 @needs_core
 def test_the_batch_path_codes_it_with_the_same_bytes(samples):
     """Several chunks per native call (threads, GIL released) write and read what the per-chunk path does."""
-    from kvtool._native.batch import BatchCodec
     from kvtool.recipe import Recipe
 
     cache = KVCache.load(samples[1], layers=[0, 11, 29], tokens=slice(0, 200))
-    batch = BatchCodec.for_recipe(Recipe.parse("ctxtans"), cache.dtype.numpy)
+    batch = Recipe.parse("ctxtans").batch_kernel(cache.dtype.numpy)
     assert batch is not None and batch.model is not None
     blob, meta = batch.encode_tensor(cache.values[0], 64)
     chunks, at = [], 0

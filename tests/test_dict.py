@@ -216,6 +216,7 @@ def test_a_damaged_dictionary_in_a_store_is_not_used(code_dict, isolated_registr
 @pytest.mark.parametrize("codec", ["ctxans", "ctxtans"])
 def test_the_connector_learns_a_dictionary_from_its_first_entries(samples, isolated_registry, codec):
     from kvtool.integrations.vllm.dictionary import DictionaryKeeper
+    from kvtool.kvz.header import _facts as header_facts
 
     cache = KVCache.load(samples[0], layers=[0, 1, 2])
     halves = [cache.select(tokens=slice(0, 128)), cache.select(tokens=slice(128, 256))]
@@ -231,7 +232,8 @@ def test_the_connector_learns_a_dictionary_from_its_first_entries(samples, isola
         assert store.contains(dicts.key_of(learnt.partition(":")[2]))
         blob = encode_cache(halves[0], learnt)
         assert decode_cache(blob).equal_bits(halves[0])
-    isolated_registry._known.clear()
+    isolated_registry._known.clear()  # a process that has never seen the dictionary
+    header_facts.cache_clear()  # nor read a header that names it
     with pytest.raises(registry.MissingDictionaryError):
         decode_cache(blob)
 

@@ -35,6 +35,17 @@ def test_array_codec_golden_files_hold_coded_chunks():
             assert not any(reader.index["flags"]) and len(reader.index)
 
 
+@pytest.mark.parametrize("name, version", [("array-ctxtans", 1), ("array-ctxtans-2", 2), ("array-ctxtans-3", 3)])
+def test_ctxtans_golden_files_pin_each_chunk_version(name, version):
+    """Every chunk of each file is of the version it was written for; the keys' chunks coded with the dictionary
+    (mode 0), the values' with their own statistics (mode 1: 12 tokens of values are too few for the dictionary)."""
+    path = HERE / f"v1-{name}.kvz"
+    data = path.read_bytes()
+    with open_kvz(path) as reader:
+        heads = {bytes(data[o : o + 2]) for o in reader.index["offset"].tolist()}
+    assert heads == {bytes([version, 0]), bytes([version, 1])}
+
+
 @pytest.mark.parametrize("name", sorted(LOSSY_RECIPES))
 def test_lossy_golden_file_decodes_to_the_same_approximation(name):
     """The same bits as when it was written, and within the stage's bound of the original."""

@@ -108,6 +108,24 @@ def test_blocks_vllm_already_has_are_left_alone(samples, dtype):
     expect(layers, cache, [5, 2], first_block=1)
 
 
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_entries_the_gpu_does_not_decode_go_through_staging_in_block_order(samples, backend, monkeypatch):
+    """On CUDA, an entry of another recipe decodes on the CPU into staging laid out as the blocks are, which the
+    forward pass's thread copies into the pages per layer: the same path, run here on CPU pages (no pinned memory)."""
+    cache = sample_entry(samples[1], slice(0, 3 * BLOCK))
+    heads, _, dim = cache.keys[0].shape
+    layers = paged(backend, heads, dim)
+    monkeypatch.setattr(type(layers), "on_cpu", property(lambda self: False))  # what a CUDA cache says
+    with open_store("memory://") as store:
+        encode_and_store(store, "key/a", cache.keys, cache.values, "exphuff", ModelFacts("m"))
+        r = Restore(store, lambda e: f"key/{e}", layers, {"r": [LoadJob("a", 3, 1, [5, 2])]}, gpu_decode=False)
+        r.start(background=True)
+        for i in range(LAYERS):
+            r.copy_layer(i)
+        assert r.finish() == set()
+    expect(layers, cache, [5, 2], first_block=1)
+
+
 def test_a_chunk_the_kernels_refuse_marks_its_blocks_for_recompute(samples, monkeypatch):
     from kvtool.gpu import decode
 

@@ -18,10 +18,11 @@ from kvtool.layouts import int_codes as ic
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.int_quant import IntQuant
 
+from native_checks import needs_core
+
 sys.path.insert(0, str(Path(__file__).parent / "golden"))
 from make_golden import LOSSY_RECIPES, chunk_tokens, golden_cache
 
-needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
 
 
 def native_encode(codes: np.ndarray, bits: int) -> np.ndarray:

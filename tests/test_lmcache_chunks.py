@@ -10,9 +10,10 @@ import pytest
 
 import kvtool
 from kvtool.errors import UsageError
-from kvtool.integrations.lmcache.chunks import ChunkLayout
-from kvtool.integrations.lmcache.codec import LayoutMismatch, decode_chunk_into, encode_chunk
-from kvtool.integrations.lmcache.naming import ChunkName
+from kvtool.integrations.lmcache.chunks import ChunkLayout, restore_chunk
+from kvtool.entries import Miss, Restored, put_cache
+from kvtool.entries.names import ChunkName
+from kvtool.store import Store, open_store
 from kvtool.integrations.lmcache.settings import AdapterSettings
 
 
@@ -28,6 +29,17 @@ def lmcache_chunk(sample: str, kv: int = 2) -> tuple[np.ndarray, list[tuple[int,
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8), [array.shape]
 
 
+def put_chunk(store: Store, data: np.ndarray, layout: ChunkLayout, recipe: str) -> int:
+    """Store one object's bytes as the adapter does; the record's size."""
+    put = put_cache(store, "chunk", layout.cache(data, "m"), recipe)
+    assert put.stored, put.detail
+    return put.stored_bytes
+
+
+def load_chunk(store: Store, layout: ChunkLayout, out: np.ndarray) -> Restored:
+    return restore_chunk(store, "chunk", layout, out)
+
+
 @pytest.mark.parametrize("sample", ["code.safetensors", "prose.safetensors"])
 @pytest.mark.parametrize("kv", [2, 1])
 @pytest.mark.parametrize("recipe", ["exphuff", "zstd:3", "none"])
@@ -35,12 +47,13 @@ def test_a_chunk_comes_back_bit_for_bit(sample, kv, recipe):
     data, shapes = lmcache_chunk(sample, kv)
     layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
     assert layout.kind == ("kv" if kv == 2 else "blocks") and layout.nbytes == data.nbytes
-    blob = encode_chunk(data, layout, recipe, "m")
     out = np.full_like(data, 0xA5)
-    decode_chunk_into(memoryview(blob), layout, out)
+    with open_store("memory://") as store:
+        size = put_chunk(store, data, layout, recipe)
+        assert load_chunk(store, layout, out).ok
     assert out.tobytes() == data.tobytes()
     if recipe == "exphuff":
-        assert len(blob) * 1.3 < data.nbytes  # real KV, channels lined up: the default recipe's ratio
+        assert size * 1.3 < data.nbytes  # real KV, channels lined up: the default recipe's ratio
 
 
 def test_k_and_v_of_a_layer_are_that_layers_k_and_v():
@@ -70,25 +83,51 @@ def test_anything_else_is_kept_as_bytes(shapes, dtypes, nbytes):
     layout = ChunkLayout.of(shapes, dtypes, nbytes)
     assert layout.kind == "bytes" and layout.nbytes == nbytes
     out = np.zeros_like(data)
-    decode_chunk_into(memoryview(encode_chunk(data, layout, "exphuff", "m")), layout, out)
+    with open_store("memory://") as store:
+        put_chunk(store, data, layout, "exphuff")
+        assert load_chunk(store, layout, out).ok
     assert out.tobytes() == data.tobytes()
 
 
-def test_odd_sizes_are_refused():
+@pytest.mark.parametrize("nbytes", [0, 1, 2, 7, 13, 4097, 262145])
+@pytest.mark.parametrize("recipe", ["exphuff", "zstd:3"])
+def test_any_size_is_kept_bit_for_bit_even_odd_and_empty(nbytes, recipe):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    layout = ChunkLayout.of([(nbytes,)], ["torch.uint8"], nbytes)
+    assert layout.kind == "bytes" and layout.nbytes == nbytes and layout.tail == nbytes % 2
+    out = np.full_like(data, 0xA5)
+    with open_store("memory://") as store:
+        put_chunk(store, data, layout, recipe)
+        assert load_chunk(store, layout, out).ok
+    assert out.tobytes() == data.tobytes()
+
+
+def test_an_odd_object_never_restores_into_an_even_one_or_back():
+    data = np.arange(13, dtype=np.uint8)
+    odd, even = ChunkLayout.of([(13,)], ["torch.uint8"], 13), ChunkLayout.of([(12,)], ["torch.uint8"], 12)
+    assert odd.expected() == even.expected()  # the same blocks: only the tail tells them apart
+    with open_store("memory://") as store:
+        put_chunk(store, data, odd, "exphuff")
+        out = np.zeros(12, np.uint8)
+        assert load_chunk(store, even, out).miss is Miss.MISMATCH and not out.any()
+        put_chunk(store, data[:12], even, "exphuff")
+        assert load_chunk(store, odd, np.zeros(13, np.uint8)).miss is Miss.MISMATCH
     with pytest.raises(UsageError):
-        ChunkLayout.of([(7,)], ["torch.uint8"], 7)
+        ChunkLayout.of([(7,)], ["torch.uint8"], -1)
 
 
 def test_another_layout_is_a_mismatch_and_damage_is_an_error():
     data, shapes = lmcache_chunk("prose.safetensors")
     layout = ChunkLayout.of(shapes, ["torch.bfloat16"], data.nbytes)
-    blob = bytearray(encode_chunk(data, layout, "exphuff", "m"))
     half = ChunkLayout(layout.kind, layout.dtype, layout.layers, layout.tokens // 2, layout.width)
-    with pytest.raises(LayoutMismatch):
-        decode_chunk_into(memoryview(bytes(blob)), half, np.zeros(half.nbytes, np.uint8))
-    blob[len(blob) // 2] ^= 1
-    with pytest.raises(kvtool.errors.KvtoolError):
-        decode_chunk_into(memoryview(bytes(blob)), layout, np.zeros_like(data))
+    with open_store("memory://") as store:
+        put_chunk(store, data, layout, "exphuff")
+        assert load_chunk(store, half, np.zeros(half.nbytes, np.uint8)).miss is Miss.MISMATCH
+        record = bytearray(store.read_record("chunk"))
+        record[len(record) // 2] ^= 1
+        store.write_record("chunk", bytes(record))
+        assert load_chunk(store, layout, np.zeros_like(data)).miss is Miss.DAMAGED
+        assert not store.contains("chunk")  # a damaged entry is dropped
 
 
 def test_every_field_of_the_key_and_the_recipe_name_another_entry():
@@ -102,7 +141,7 @@ def test_every_field_of_the_key_and_the_recipe_name_another_entry():
 
 def test_a_name_comes_back_from_its_metadata_only_under_its_own_key():
     name = ChunkName(b"\x07" * 32, "org/model", 3, 1, "tenant-a", "exphuff")
-    meta = name.meta(256, 1000)
+    meta = name.meta()
     assert ChunkName.from_meta(name.key, meta) == name
     assert ChunkName.from_meta(ChunkName(b"\x08" * 32, "org/model", 3, 1, "tenant-a", "exphuff").key, meta) is None
     tampered = {**meta, "lmcache": {**meta["lmcache"], "salt": "tenant-b"}}

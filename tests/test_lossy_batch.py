@@ -14,7 +14,6 @@ import pytest
 import xxhash
 import zstandard
 
-from kvtool import _native
 from kvtool._native.int_batch import Declined, IntBatchCodec, error_stats, int_jobs
 from kvtool.cache import KVCache
 from kvtool.integrations.vllm_offload.chunks import load_row, save_row
@@ -26,7 +25,8 @@ from kvtool.kvz.pipeline import PerChunk
 from kvtool.layouts.int_quant import IntQuant
 from kvtool.store.memory import MemoryStore
 
-needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
+from native_checks import needs_core
+
 
 #: Every option of the int stage: widths, axes both ways, groups that do and do not divide the block, per-kind and
 #: per-layer widths.
@@ -229,8 +229,8 @@ def test_non_finite_scales_are_left_to_the_reference(samples, monkeypatch):
     """The core declines a block whose scales are not finite (only a crafted file has them); the run then goes per
     chunk, to the numpy reference, as it did before the batch path."""
     heads, dim = 3, 64
-    codec = IntBatchCodec.for_recipe(KvzReader.from_bytes(
-        encode_cache(KVCache.load(samples[0], layers=[0], tokens=slice(0, 8)), "int:4|zstd:3")).recipe, np.float32)
+    codec = KvzReader.from_bytes(
+        encode_cache(KVCache.load(samples[0], layers=[0], tokens=slice(0, 8)), "int:4|zstd:3")).recipe.stage_kernel(np.float32)
     assert codec is not None
     job = int_jobs(1)
     job["block_tokens"], job["groups_per_head"], job["bits"], job["flags"], job["token_hi"] = 8, 16, 4, 4, 8

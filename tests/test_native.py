@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -14,14 +15,14 @@ from hypothesis import strategies as st
 
 from kvtool import _native
 from kvtool._native import reference
+from kvtool._native.core_api import NativeCore
 
 from float_blocks import float_blocks
 from native_checks import (
-    CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
+    needs_core, CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core, sample_blocks,
 )
 
 core = _native.core()
-needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
 
 
 def native_encode(block: np.ndarray, name: str) -> bytes:
@@ -64,6 +65,29 @@ def test_real_samples_match_in_every_dtype(samples):
 def test_native_xxh3_is_xxh3(size):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     assert core.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+
+
+@needs_core
+def test_the_typed_interface_names_what_the_core_exports():
+    """``NativeCore``, which the type checker holds every call into C to, lists each function and constant of the
+    extension and nothing else."""
+    declared = {name for name in vars(NativeCore) if not name.startswith("_")} | set(NativeCore.__annotations__)
+    assert declared == {name for name in dir(core) if not name.startswith("_")}
+
+
+@needs_core
+@pytest.mark.parametrize("name", sorted(name for name, member in vars(NativeCore).items() if inspect.isfunction(member)
+                                        and not name.startswith("_")))
+def test_the_typed_interface_takes_as_many_arguments_as_the_core(name):
+    """Each function's C binding refuses one argument too few and one too many, as ``NativeCore`` declares them
+    (``PyArg_ParseTuple`` counts the arguments before it reads any)."""
+    params = list(inspect.signature(getattr(NativeCore, name)).parameters.values())[1:]
+    required = sum(p.default is inspect.Parameter.empty for p in params)
+    for count, bound in ((required - 1, required), (len(params) + 1, len(params))):
+        if count < 0:
+            continue
+        with pytest.raises(TypeError, match=rf"takes (exactly|at least|at most) {bound} arguments? \({count} given\)"):
+            getattr(core, name)(*[None] * count)
 
 
 def test_files_are_the_same_without_the_core(samples):

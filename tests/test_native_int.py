@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtool import _native
 from kvtool.cache import KVCache
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.int_quant import IntQuant
 
-needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
+from native_checks import needs_core
+
 
 
 def both(layout: IntQuant, planes: list[np.ndarray], spec: PlaneSpec) -> tuple[np.ndarray, np.ndarray]:

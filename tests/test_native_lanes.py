@@ -15,8 +15,9 @@ from kvtool.codecs import get_codec
 from kvtool.kvz import decode_cache, encode_cache
 from kvtool.errors import DecodeError, UsageError
 
+from native_checks import needs_core
+
 core = _native.core()
-needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
 
 
 def native_encode(block: np.ndarray, name: str, lane: int) -> bytes:

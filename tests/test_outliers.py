@@ -18,6 +18,8 @@ from kvtool.layouts.outliers import Outliers
 from kvtool.recipe import Recipe
 from kvtool.testing.layouts import bits_of, random_bits, stored_and_read_back
 
+from native_checks import needs_core
+
 CHAINS = ["outliers:0.01|int:3,group=128", "outliers:0.02|int:4,group=64,kbits=5,layers=k1:8",
           "outliers:0.05,k=token,v=channel|int:2,k=token,v=channel,group=16", "outliers:0.01,v=none|int:3"]
 
@@ -180,7 +182,6 @@ def test_a_file_with_bad_positions_and_good_checksums_is_refused(small, monkeypa
 
 # -- the C core against the numpy reference ------------------------------------------------------
 
-needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
 
 
 def _same_bytes(ours: list[np.ndarray], theirs: list[np.ndarray]) -> bool:

@@ -433,6 +433,24 @@ def test_pinned_entries_are_never_demoted_or_evicted(tmp_path):
         assert store.tier_of("pinned") == "file"
 
 
+def test_a_pin_holds_in_a_shared_file_tier_that_makes_room_by_itself(tmp_path):
+    """The file tier evicts by its own index, across processes: this process's pins are kept when it makes room."""
+    with open_store(f"file://{tmp_path}/f?capacity=4KiB", policy=LRUPolicy()) as store:
+        store.put("pinned", _value(0))
+        assert store.pin("pinned")
+        for i in range(1, 8):
+            assert store.put(f"k{i}", _value(i))
+        assert store.get("pinned") == _value(0) and not store.contains("k1")
+        assert store.unpin("pinned")
+        for i in range(8, 12):
+            store.put(f"k{i}", _value(i))
+        assert not store.contains("pinned")
+        held = [key for key in store.keys()]
+        assert all(store.pin(key) for key in held)
+        assert not store.put("one-too-many", _value(99))  # no room beside the pinned entries: refused, none dropped
+        assert sorted(store.keys()) == sorted(held)
+
+
 def test_pin_unknown_key_is_false(tmp_path):
     with _tiered(tmp_path) as store:
         assert not store.pin("nothing")

@@ -172,3 +172,71 @@ def test_large_values_go_to_the_socket_without_a_copy(redis_url):
     with RedisStore(redis_url) as store:
         connection = store._client.connection_pool.make_connection()
         assert any(part is value for part in connection.pack_command("SET", b"k", value))
+
+
+def _limit_memory(url: str, room: int, policy: str) -> int:
+    """Give the server ``room`` bytes above what it uses now, under ``policy``; the limit set."""
+    with _raw_client(url) as client:
+        client.config_set("repl-backlog-size", 16384)
+        limit = int(client.info("memory")["used_memory"]) + room
+        client.config_set("maxmemory-policy", policy)
+        client.config_set("maxmemory", limit)
+    return limit
+
+
+def test_under_maxmemory_noeviction_the_store_makes_room_among_its_own_entries(redis_server):
+    """Redis's default policy refuses every write once full; the store evicts its own coldest entries, never
+    another application's key, and keeps writing: a working set three times the room, nearly all stored."""
+    with _raw_client(redis_server.url) as client:
+        client.set("someone-else", b"x" * 100_000)
+    _limit_memory(redis_server.url, 1 << 20, "noeviction")
+    values = {f"chunk-{i}": bytes([i]) * 65536 for i in range(48)}  # 3 MiB
+    with RedisStore(redis_server.url, prefix="kv:", ttl=None) as store:
+        stored = [store.put(key, value) for key, value in values.items()]
+        assert store.put_many({f"batch-{i}": b"b" * 65536 for i in range(8)}) == [True] * 8  # each key makes room
+        stats = store.stats()
+        assert sum(stored) >= 0.95 * len(stored)
+        assert stats["put_refused"] == stored.count(False)  # a refused put is never silent
+        assert stats["evictions"] > 0 and stats["server_refused_writes"] >= stats["evictions"] // 64
+        assert stats["server_maxmemory_policy"] == "noeviction" and stats["server_maxmemory_bytes"] > 0
+        kept = [key for key in values if store.get(key) == values[key]]  # the others: evicted, never wrong bytes
+        assert 0 < len(kept) < len(values) and store.get_many(list(values)) == [values.get(k) if k in kept else None
+                                                                                 for k in values]
+    with _raw_client(redis_server.url) as client:
+        assert client.get("someone-else") == b"x" * 100_000
+
+
+def test_a_write_refused_with_nothing_to_evict_is_counted_and_the_server_stays_up(redis_server, caplog):
+    with _raw_client(redis_server.url) as client:
+        client.set("someone-else", b"x" * 300_000)  # what the store must not evict
+    _limit_memory(redis_server.url, 0, "noeviction")  # and no room beside it
+    with RedisStore(redis_server.url, backoff=30) as store, caplog.at_level(logging.WARNING, logger="kvtool.store"):
+        assert store.put("k", b"v" * 1000) is False
+        assert store.put_many({"a": b"1" * 1000, "b": b"2" * 1000}) == [False, False]
+        assert store.contains("k") is False and store.get("k") is None  # asked: the breaker did not trip
+        stats = store.stats()
+        assert stats["put_refused"] == 3 and stats["put_failures"] == 3 and stats["errors"] == 0
+        assert stats["server_refused_writes"] >= 3
+    assert caplog.text.count("write for lack of memory, with no room to make") == 3
+
+
+def test_the_maxmemory_benchmark_in_short_stores_nearly_every_put_and_reports_every_refusal():
+    """benchmarks/redis_maxmemory.py as CI runs it: four writing processes, a working set three times the room,
+    under Redis's default policy and under allkeys-lru (BENCHMARKS.md has the long runs)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "redis_maxmemory.py"
+    run = subprocess.run([sys.executable, str(script), "--budget-mib", "4", "--writers", "4", "--passes", "2",
+                          "--json"], capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(run.stdout.strip().splitlines()[-1])["cases"]
+    assert [c["policy"] for c in cases] == ["noeviction", "allkeys-lru"]
+    for case in cases:
+        assert case["working_set_bytes"] >= 3 * case["budget_bytes"]
+        assert case["unreported"] == 0 and case["stored_share"] >= 0.95, case
+        assert case["put_failures"] == case["puts"] - case["stored"]
+    assert cases[0]["evictions"] > 0 and cases[0]["server_refused_writes"] > 0  # the store made the room
+    assert cases[1]["server_evicted_keys"] > 0  # Redis did

@@ -297,3 +297,25 @@ def _wait_until(condition, seconds: float, message: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, message
         time.sleep(0.2)
+
+
+def test_under_maxmemory_noeviction_each_master_makes_room_among_the_store_s_entries(redis_cluster):
+    """Redis's default policy on every master, each given 512 KiB of room: a working set three times the cluster's
+    room is written, and the store evicts its own coldest entries on the master that refused, nearly every put
+    stored, every refusal counted."""
+    masters = [port for port in redis_cluster.ports if _role(port) == "master"]
+    for port in masters:
+        with redis.Redis(port=port, socket_timeout=5) as client:
+            client.config_set("repl-backlog-size", 16384)
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 512 * 1024)
+    values = {f"chunk-{i}": bytes([i % 256]) * 32768 for i in range(144)}  # 4.5 MiB over 1.5 MiB of room
+    with open_store(f"{redis_cluster.url}?prefix=room:&ttl=none&timeout=5") as store:
+        stored = [store.put(key, value) for key, value in values.items()]
+        stored += store.put_many({f"batch-{i}": b"b" * 32768 for i in range(24)})
+        stats = store.stats()
+        assert sum(stored) >= 0.95 * len(stored), stats
+        assert stats["put_refused"] == stored.count(False) and stats["evictions"] > 0
+        assert stats["server_refused_writes"] > 0 and stats["errors"] == 0
+        held = [key for key, ok in zip(values, store.contains_many(list(values))) if ok]
+        assert held and all(store.get(key) == values[key] for key in held)

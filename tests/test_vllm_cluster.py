@@ -15,7 +15,7 @@ import pytest
 from kvtool.cache import ModelFacts
 from kvtool.integrations.vllm.plan import SaveJob, entries_to_save, load_jobs
 from kvtool.store import open_store
-from kvtool.store.prefixes import EntryNamer, find_stored_prefix
+from kvtool.entries.names import EntryNamer, find_stored_prefix
 
 torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
 

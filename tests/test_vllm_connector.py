@@ -13,7 +13,7 @@ from kvtool.integrations.vllm.plan import LoadJob, SaveJob, entries_to_save, loa
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
 from kvtool.store import open_store
-from kvtool.store.prefixes import EntryNamer, find_stored_prefix, tokens_in
+from kvtool.entries.names import EntryNamer, find_stored_prefix, tokens_in
 
 torch = pytest.importorskip("torch", reason="the paged-tensor helpers need torch (pip install 'kvtool[model]')")
 
@@ -96,7 +96,11 @@ def test_saves_wait_for_whole_entries_and_store_a_short_last_one_at_the_end_of_t
 def test_load_jobs_skip_what_vllm_has_and_stop_at_the_limit():
     spans = lookup(stored_keys(NAMER, [(0, 2), (2, 2), (4, 2)]))
     jobs = load_jobs(spans, local_blocks=1, block_ids=list(range(100, 110)), limit_blocks=5)
-    assert [(j.first_block, j.block_ids) for j in jobs] == [(1, [101]), (0, [102, 103]), (0, [104])]
+    assert [(j.first_block, j.block_ids) for j in jobs] == [(1, ([101],)), (0, ([102, 103],)), (0, ([104],))]
+    groups = (list(range(100, 110)), [-1, -1, -1, 203, 204, 205])  # a sliding-window group keeps the last blocks
+    jobs = load_jobs(spans, local_blocks=1, block_ids=groups, limit_blocks=5)
+    assert [j.block_ids for j in jobs] == [([101], [-1]), ([102, 103], [-1, 203]), ([104], [204])]
+    assert [j.written_blocks() for j in jobs] == [{101}, {102, 103, 203}, {104, 204}]
 
 
 def test_settings_reject_unknown_options_and_bad_recipes():
@@ -194,6 +198,7 @@ def test_restore_skips_the_blocks_vllm_already_has(background):
 
 def test_entries_coded_with_a_dictionary_restore_into_paged_blocks_or_fail_cleanly(samples, monkeypatch, tmp_path):
     from kvtool.cache import KVCache
+    from kvtool.kvz.header import _facts as header_facts
     from kvtool.modeldict import registry
     from kvtool.modeldict.train import train
 
@@ -212,6 +217,7 @@ def test_entries_coded_with_a_dictionary_restore_into_paged_blocks_or_fail_clean
             assert torch.equal(target_tensors[i][0], (cpu_paged() + i)[3])
         monkeypatch.setattr(registry, "_known", {})  # a reader that has never seen the dictionary
         monkeypatch.setattr(registry, "_files", {})
+        header_facts.cache_clear()  # nor a header that names it
         monkeypatch.setenv(registry.PATH_VARIABLE, str(tmp_path))
         stats = StatsCollector()
         missing = Restore(store, lambda e: f"key/{e}", layers_of([torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16)] * 2), jobs, stats)

@@ -15,7 +15,7 @@ import pytest
 
 import kvtool
 from kvtool.errors import UsageError
-from kvtool.integrations.vllm_offload.rows import ChunkNamer, RowLayout
+from kvtool.integrations.vllm_offload.rows import RowLayout, chunk_namer
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, DIM, BLOCK, BLOCKS, LAYERS = 3, 64, 16, 2, 2
@@ -91,15 +91,34 @@ def test_what_it_does_not_understand_is_refused_in_one_line(changes, row, head_d
 
 def test_keys_bind_everything_the_bytes_depend_on():
     layout = RowLayout.from_config(config(), stride(), False, DIM)
-    namer = ChunkNamer.from_config(config(), "exphuff", layout)
+    namer = chunk_namer(config(), "exphuff", layout)
     key = b"h" * 32 + (0).to_bytes(4, "big")
-    assert namer.key(key) == ChunkNamer.from_config(config(), "exphuff", layout).key(key)
+    assert namer.key(key) == chunk_namer(config(), "exphuff", layout).key(key)
     others = [
-        ChunkNamer.from_config(config(), "zstd:3", layout),
-        ChunkNamer.from_config(config(model=SimpleNamespace(name="other", dtype="bfloat16")), "exphuff", layout),
-        ChunkNamer.from_config(config(), "exphuff", RowLayout.from_config(config(), stride(), False, None)),
-        ChunkNamer.from_config(config(parallel=two_workers()), "exphuff", layout),
-        ChunkNamer.from_config(config(), "exphuff", layout, model="served-name"),
+        chunk_namer(config(), "zstd:3", layout),
+        chunk_namer(config(model=SimpleNamespace(name="other", dtype="bfloat16")), "exphuff", layout),
+        chunk_namer(config(), "exphuff", RowLayout.from_config(config(), stride(), False, None)),
+        chunk_namer(config(parallel=two_workers()), "exphuff",
+                    RowLayout.from_config(config(parallel=two_workers()), stride(2), False, DIM)),
+        chunk_namer(config(), "exphuff", layout, model="served-name"),
     ]
     assert len({namer.key(key)} | {n.key(key) for n in others}) == 1 + len(others)
     assert namer.key(key) != namer.key(b"h" * 32 + (1).to_bytes(4, "big"))  # the KV cache group
+
+
+def workers(n: int) -> SimpleNamespace:
+    return SimpleNamespace(world_size=n, tp_size=n, pp_size=1, pcp_size=1, dcp_size=1)
+
+
+def test_one_copy_is_shared_by_every_tp_size_a_shard_by_none():
+    """vLLM's replicated_layout keeps one copy of KV every worker holds alike (an MLA latent): the
+    same bytes as one worker's row, at any TP size. Sharded rows hold one cell per worker."""
+    key = b"h" * 32 + (0).to_bytes(4, "big")
+    one_copy = {chunk_namer(config(parallel=workers(n)), "exphuff",
+                            RowLayout.from_config(config(parallel=workers(n)), stride(1), n > 1, DIM)).key(key)
+                for n in (1, 2, 4, 8)}
+    assert len(one_copy) == 1
+    sharded = {chunk_namer(config(parallel=workers(n)), "exphuff",
+                           RowLayout.from_config(config(parallel=workers(n)), stride(n), False, DIM)).key(key)
+               for n in (2, 4, 8)}
+    assert len(sharded) == 3 and not sharded & one_copy

@@ -16,7 +16,7 @@ from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.integrations.vllm.scheduler import KvtoolScheduler
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
-from kvtool.store.prefixes import EntryNamer
+from kvtool.entries.names import EntryNamer
 
 BLOCK = 4
 PER_ENTRY = 2

@@ -13,7 +13,10 @@ the samples' channels tiled to that shape):
   of the compressed bytes plus the decode;
 - a restore of N entries into paged tensors laid out as vLLM's CUDA backends lay them out
   ([blocks, kv_heads, block_size, 2 * head_dim]), through the connector's own GPU path, checked
-  bit for bit against the CPU decode, with its wall time and the CPU seconds it spent per GB.
+  bit for bit against the CPU decode, with its wall time and the CPU seconds it spent per GB;
+- the same N entries coded with ``exphuff`` (which the GPU does not decode) restored by the
+  connector's ``Restore`` into the same pages: decoded on the CPU into pinned staging in block
+  order, copied to the device layer by layer; wall time, CPU seconds per GB, bit for bit.
 
 ``--host-only`` runs that restore on CPU tensors with the kernels left out (nothing is decoded):
 the CPU seconds per GB the host spends on a GPU restore (checksums, the pinned buffer, the
@@ -121,13 +124,11 @@ def bench_entry(torch, device, name: str, cache: KVCache, recipe: str, repeat: i
     }
 
 
-def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int, check: bool = True) -> dict:
-    """N entries restored into shuffled blocks of CUDA-layout paged tensors through the connector's GPU path."""
-    from kvtool.integrations.vllm import gpu_transfer
-    from kvtool.integrations.vllm.paged import kv_views, scatter_blocks
-    from kvtool.integrations.vllm.plan import LoadJob
+def shuffled_pages(torch, device, caches: list[KVCache], seed: int):
+    """Empty CUDA-layout paged tensors ([blocks, kv_heads, block_size, 2 * head_dim], vLLM's CUDA backends) with room
+    for every entry, as the connector's ``PagedLayers``, and each entry's blocks, shuffled."""
+    from kvtool.integrations.vllm.paged import kv_views
     from kvtool.integrations.vllm.transfer import PagedLayers
-    from kvtool.torchbits import from_numpy
 
     layers, heads, dim = len(caches[0].keys), caches[0].keys[0].shape[0], caches[0].keys[0].shape[2]
     per_entry = caches[0].num_tokens // BLOCK
@@ -135,42 +136,101 @@ def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repea
     tensors = [torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16, device=device) for _ in range(layers)]
     views = [kv_views(t, "FLASH_ATTN", dim, BLOCK) for t in tensors]
     paged = PagedLayers([f"l{i}" for i in range(layers)], [k for k, _ in views], [v for _, v in views], BLOCK, torch.bfloat16)
-    ids = np.random.default_rng(1).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
-    blobs = [encode_cache(c, recipe, chunk_tokens=c.num_tokens, threads=1) for c in caches]
-    assert not check or gpu_transfer.gpu_usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
+    ids = np.random.default_rng(seed).permutation(blocks)[: per_entry * len(caches)].reshape(len(caches), per_entry)
+    return paged, [[int(b) for b in row] for row in ids]
+
+
+def pages_hold(torch, paged, caches: list[KVCache], ids: list[list[int]]) -> bool:
+    """Whether each entry's blocks hold its cache bit for bit, as vLLM's own copy would have put it there."""
+    from kvtool.integrations.vllm.paged import scatter_blocks
+    from kvtool.torchbits import from_numpy
+
+    exact = True
+    for cache, block_ids in zip(caches, ids):
+        for i in range(len(paged.keys)):
+            for view, array in ((paged.keys[i], cache.keys[i]), (paged.values[i], cache.values[i])):
+                want = torch.zeros_like(view)
+                scatter_blocks(want, block_ids, from_numpy(np.ascontiguousarray(array), torch.bfloat16))
+                exact &= bool(torch.equal(view[block_ids].view(torch.int16), want[block_ids].view(torch.int16)))
+    return exact
+
+
+def restore_row(torch, device, caches: list[KVCache], restore, repeat: int) -> dict:
+    """Wall time and CPU seconds per GB of ``restore()`` (which returns its CPU seconds) over these entries."""
+    cpu_times: list[float] = []
+    wall = timed(torch, device, lambda: cpu_times.append(restore()), repeat)
+    gb = sum(c.nbytes for c in caches) / 1e9
+    return {"entries": len(caches), "raw_bytes": int(gb * 1e9), "restore_GBps": gb / wall, "restore_seconds": wall,
+            "cpu_seconds_per_GB": float(np.median(cpu_times)) / gb}
+
+
+def bench_paged_restore(torch, device, caches: list[KVCache], recipe: str, repeat: int, check: bool = True) -> dict:
+    """N entries restored into shuffled blocks of CUDA-layout paged tensors through the connector's GPU path."""
+    from kvtool.entries import Expected, put_cache, restore_into
+    from kvtool.gpu.pages import GpuPages
+    from kvtool.store import open_store
+
+    paged, ids = shuffled_pages(torch, device, caches, seed=1)
+    store = open_store("memory://")
+    for i, c in enumerate(caches):
+        assert put_cache(store, f"e{i}", c, recipe).stored
+    heads, tokens, dim = caches[0].keys[0].shape
+    expected = Expected(len(paged.keys), (heads, tokens, dim), "bf16")
+    assert not check or GpuPages.usable(paged.keys, paged.values), "the GPU path does not take these paged tensors"
 
     def restore() -> float:
+        """The connector's GPU path: each entry fetched once and handed to the step's GPU pages stored, then every
+        layer queued; the host's CPU time up to there."""
         cpu = time.process_time()
-        decoder = gpu_transfer.new_decoder(paged.keys, paged.values)
-        for blob, block_ids in zip(blobs, ids):
-            chunks = gpu_transfer.gpu_chunks(KvzReader.from_bytes(blob), blob, paged, LoadJob("e", per_entry, 0, list(block_ids)))
-            assert chunks is not None
-            decoder.add(chunks)
-        decoder.start()
-        for i in range(layers):
-            decoder.wait_layer(i)
+        pages = GpuPages(paged.keys, paged.values)
+        for i, block_ids in enumerate(ids):
+            restored = restore_into(store, f"e{i}", expected, pages.entry(block_ids))
+            assert restored.ok, restored.detail
+        pages.start()
+        for i in range(len(paged.keys)):
+            pages.wait_layer(i)
         cpu = time.process_time() - cpu  # the host's share: it has not waited for the device so far
-        assert not decoder.failures()
+        assert not pages.failures()
         return cpu
 
     restore()
-    exact = check
-    for blob, block_ids in zip(blobs, ids) if check else ():
-        cache = KvzReader.from_bytes(blob).read()
-        for i in range(layers):
-            for view, array in ((paged.keys[i], cache.keys[i]), (paged.values[i], cache.values[i])):
-                want = torch.zeros_like(view)
-                scatter_blocks(want, list(block_ids), from_numpy(np.ascontiguousarray(array), torch.bfloat16))
-                exact &= bool(torch.equal(view[list(block_ids)].view(torch.int16), want[list(block_ids)].view(torch.int16)))
-    cpu_times = []
-    wall = timed(torch, device, lambda: cpu_times.append(restore()), repeat)
-    gb = sum(c.nbytes for c in caches) / 1e9
-    return {"entries": len(caches), "raw_bytes": int(gb * 1e9), "bit_exact": exact, "restore_GBps": gb / wall,
-            "restore_seconds": wall, "cpu_seconds_per_GB": float(np.median(cpu_times)) / gb}
+    decoded = [KvzReader.from_bytes(store.fetch(f"e{i}").entry.value).read() for i in range(len(caches))]
+    return {**restore_row(torch, device, caches, restore, repeat),
+            "bit_exact": check and pages_hold(torch, paged, decoded, ids)}
+
+
+def bench_fallback_restore(torch, device, caches: list[KVCache], repeat: int) -> dict:
+    """N ``exphuff`` entries restored by the connector's ``Restore`` into CUDA-layout pages: CPU decode, pinned
+    staging, per-layer copies (on CPU tensors, the same path with the pages taken for a device's)."""
+    from kvtool.integrations.vllm.plan import LoadJob
+    from kvtool.integrations.vllm.transfer import Restore, encode_and_store
+    from kvtool.store import open_store
+
+    paged, ids = shuffled_pages(torch, device, caches, seed=2)
+    if device.type == "cpu":
+        paged.__dict__["on_cpu"] = False  # the staging path a CUDA cache takes, on CPU tensors
+    store = open_store("memory://")
+    for i, c in enumerate(caches):
+        assert encode_and_store(store, f"x{i}", c.keys, c.values, "exphuff", c.model)
+    jobs = {f"r{i}": [LoadJob(f"x{i}", len(block_ids), 0, block_ids)] for i, block_ids in enumerate(ids)}
+
+    def restore() -> float:
+        cpu = time.process_time()
+        r = Restore(store, lambda e: e, paged, jobs, gpu_decode=False)
+        r.start(background=True)
+        for i in range(len(paged.keys)):
+            r.copy_layer(i)
+        assert r.finish() == set()
+        return time.process_time() - cpu
+
+    restore()
+    return {**restore_row(torch, device, caches, restore, repeat), "recipe": "exphuff",
+            "bit_exact": pages_hold(torch, paged, caches, ids)}
 
 
 def host_share(entries: int, repeat: int) -> dict:
     """CPU seconds per GB of the host's part of a GPU restore, on CPU tensors, the kernels not run."""
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors taken as GPU pages; the kernels themselves are left out
     import torch
 
     from kvtool.gpu import restore
@@ -217,22 +277,29 @@ def main() -> int:
         cases = {p.stem: KVCache.load(p) for p in samples}
         shaped = [qwen_shaped(samples, 36, 8, 128, 256, seed) for seed in range(entries)]
     cases["qwen3-8b-shaped"] = shaped[0]
+    gpu_name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU tensors, {how.split(' on ')[0]}"
     result = {"device": how, "recipe": recipe, "torch": torch.__version__,
               "entries": [bench_entry(torch, device, name, c, recipe, repeat) for name, c in cases.items()],
-              "paged_restore": bench_paged_restore(torch, device, shaped, recipe, repeat)}
+              "paged_restore": bench_paged_restore(torch, device, shaped, recipe, repeat),
+              "cpu_decode_restore": bench_fallback_restore(torch, device, shaped, repeat)}
+    for row in (*result["entries"], result["paged_restore"], result["cpu_decode_restore"]):
+        row["device"] = gpu_name
     print(f"# {how}; recipe {recipe}")
-    print("| entry | MB | ratio | bit-exact | GPU decode GB/s | H2D raw GB/s | H2D compressed + decode GB/s | vs raw |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| device | entry | MB | ratio | bit-exact | GPU decode GB/s | H2D raw GB/s | H2D compressed + decode GB/s | vs raw |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for e in result["entries"]:
-        print(f"| {e['entry']} | {e['raw_bytes'] / 1e6:.2f} | {e['ratio']:.3f} | {e['bit_exact']} | {e['decode_GBps']:.1f} | "
+        print(f"| {gpu_name} | {e['entry']} | {e['raw_bytes'] / 1e6:.2f} | {e['ratio']:.3f} | {e['bit_exact']} | {e['decode_GBps']:.1f} | "
               f"{e['h2d_raw_GBps']:.1f} | {e['h2d_compressed_plus_decode_GBps']:.1f} | {e['speedup_vs_raw']:.2f}x |")
     r = result["paged_restore"]
-    print(f"paged restore of {r['entries']} entries ({r['raw_bytes'] / 1e6:.1f} MB): {r['restore_GBps']:.1f} GB/s, "
+    print(f"{gpu_name}: paged restore of {r['entries']} entries ({r['raw_bytes'] / 1e6:.1f} MB): {r['restore_GBps']:.1f} GB/s, "
           f"bit-exact {r['bit_exact']}, {r['cpu_seconds_per_GB']:.3f} CPU s per restored GB")
+    f = result["cpu_decode_restore"]
+    print(f"{gpu_name}: exphuff entries through the CPU decode into the same pages ({f['raw_bytes'] / 1e6:.1f} MB): "
+          f"{f['restore_GBps']:.1f} GB/s, bit-exact {f['bit_exact']}, {f['cpu_seconds_per_GB']:.3f} CPU s per restored GB")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    exact = all(e["bit_exact"] for e in result["entries"]) and r["bit_exact"]
+    exact = all(e["bit_exact"] for e in result["entries"]) and r["bit_exact"] and f["bit_exact"]
     return 0 if exact else 1
 
 

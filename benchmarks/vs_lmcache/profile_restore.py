@@ -8,11 +8,11 @@ per layer), stores ``--entries`` 256-token entries of a real SmolLM2 cache
 (samples/code.safetensors) in a memory store with each recipe, and then times the
 connector's own functions (``kvtool.integrations.vllm.transfer``) one phase at a time:
 fetch + unwrap (``get_entry``), ``KvzReader.from_bytes``, per-layer ``read`` (decode),
-``from_numpy`` and ``scatter_blocks`` (the copy into paged blocks); ``Restore`` as the
-connector runs it on a CPU cache (each entry decoded straight into its blocks), end to end,
-and as it runs with overlap (layer by layer on a thread: read, ``from_numpy``,
-``scatter_blocks``, the CPU path before the direct decode); and on the save side ``gather_blocks`` and
-``encode_and_store``. Beside them, two ways of doing the copy that the connector does
+``from_numpy`` and ``scatter_blocks`` (a decode into a buffer, then a copy into paged blocks: the
+path the connector took before it decoded into the blocks); ``Restore`` as the connector runs
+it on a CPU cache (each entry decoded straight into its blocks), end to end, and as it runs
+with overlap (layer by layer on a thread, each layer straight into its blocks); and on the save
+side ``gather_blocks`` and ``encode_and_store``. Beside them, two ways of doing the copy that the connector does
 not use yet, on the same data, checked to give the same bytes: one strided ``copy_`` per
 run of consecutive blocks, and a plain contiguous memcpy of the same bytes (what a raw
 shared-memory tier like LMCache's pays at least); and a capture that joins the blocks'

@@ -17,7 +17,7 @@ CONNECTORS = ("lmcache", "kvtool", "kvtool-none")
 ORDER = ("vllm", "vllm-prefix", "vllm-prefix-mp", "lmcache", "kvtool", "kvtool-none")
 # Top-level timers of the timed kvtool connector (the others are nested inside them).
 KVTOOL_TOP = ("lookup", "restore", "layer_wait", "capture", "step_end", "save")
-RESTORE_PHASES = ("fetch", "get_entry", "open", "decode_pages", "decode", "to_torch", "copy", "restore")
+RESTORE_PHASES = ("fetch", "open", "decode", "restore")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -166,9 +166,8 @@ def tables(results: dict, s: dict[str, Any]) -> str:
         out.append("")
         out.append("| phase | wall ms | CPU ms |")
         out.append("|---|---:|---:|")
-        names = {"fetch": "fetch (store read)", "get_entry": "fetch + unwrap (get_entry)", "open": "open (.kvz header, index)",
-                 "decode_pages": "decode into paged blocks (read_rows, all layers, copy included)",
-                 "decode": "decode (read, all layers)", "to_torch": "to torch", "copy": "copy into paged blocks",
+        names = {"fetch": "fetch (store read)", "open": "open (fetch, record, .kvz header and index)",
+                 "decode": "decode into paged blocks (checksums and copy included)",
                  "restore": "start_load_kv, whole restore"}
         for name in (n for n in RESTORE_PHASES if b[n]):  # a restore path uses some of them only
             out.append(f"| {names[name]} | {b[name] / n * 1e3:.2f} | {b[name + '.cpu'] / n * 1e3:.2f} |")

@@ -12,18 +12,12 @@ wall time and the CPU time of the thread that ran it (``time.thread_time``):
 
 - ``lookup``: ``get_num_new_matched_tokens`` (scheduler side, store ``contains``);
 - ``fetch``: the store's raw read of an entry's record;
-- ``unwrap``: the rest of ``get_entry`` (record checks and checksum, the Entry);
-- ``open``: ``KvzReader.from_bytes`` (header and index checks);
-- ``decode_pages``: ``KvzReader.read_rows``, the CPU cache's restore: every layer of an
-  entry decoded straight into its paged blocks (chunk checksums, codec and copy in one);
-- ``decode``: ``KvzReader.read`` of one layer's tokens (chunk checksums, codec): the
-  layer-by-layer restore, or inside ``decode_pages`` for a recipe the native core
-  does not batch;
-- ``to_torch``: ``from_numpy`` (the decoded array as a torch tensor, copy if read-only);
-- ``copy``: ``scatter_blocks`` (into vLLM's paged blocks, layer-by-layer restore);
+- ``open``: ``entries.open_entry``: the fetch, the record's checks and the .kvz's header and index;
+- ``decode``: ``Opened.restore``: the entry's chunks decoded into the paged blocks (all layers at once
+  before the forward pass, or one layer at a time beside it), checksums verified, copy included;
 - ``restore``: the whole of ``start_load_kv`` (all the above for a step, plus bookkeeping);
 - ``capture``: ``save_kv_layer`` (``gather_blocks`` of finished prompt blocks);
-- ``encode``: ``encode_cache`` on the save thread; ``put``: the store's ``put``.
+- ``encode``: ``entries.put_cache`` on the save thread (coding, the record and the store's ``put``).
 
 The totals and the store's own statistics (entries, bytes held) are rewritten
 to the file after every restore and every save, so a reader diffs two reads.
@@ -40,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kvtool import kvz
+from kvtool import entries
 from kvtool.integrations.vllm import transfer
 from kvtool.integrations.vllm.connector import KvtoolConnector
 
@@ -93,14 +87,10 @@ def _dump() -> None:
 
 
 # The functions the transfer module calls, timed where it looks them up.
-transfer.scatter_blocks = _timed("copy", transfer.scatter_blocks)
 transfer.gather_blocks = _timed("capture_gather", transfer.gather_blocks)
-transfer.from_numpy = _timed("to_torch", transfer.from_numpy)
-transfer.encode_cache = _timed("encode", transfer.encode_cache)
-kvz.KvzReader.read = _timed("decode", kvz.KvzReader.read)
-kvz.KvzReader.read_rows = _timed("decode_pages", kvz.KvzReader.read_rows)
-_from_bytes = kvz.KvzReader.from_bytes.__func__
-kvz.KvzReader.from_bytes = classmethod(_timed("open", _from_bytes))
+transfer.put_cache = _timed("encode", transfer.put_cache)
+transfer.open_entry = _timed("open", transfer.open_entry)
+entries.Opened.restore = _timed("decode", entries.Opened.restore)  # type: ignore[method-assign]
 
 
 class TimedKvtoolConnector(KvtoolConnector):
@@ -111,9 +101,7 @@ class TimedKvtoolConnector(KvtoolConnector):
         assert side is not None
         _store = side.store
         for tier in getattr(_store, "tiers", [_store]):
-            tier._read = _timed("fetch", tier._read)
-        _store.get_entry = _timed("get_entry", _store.get_entry)
-        _store.put = _timed("put", _store.put)
+            tier._read_result = _timed("fetch", tier._read_result)
         if self.connector_worker is not None:
             save_entry = self.connector_worker._save_entry
 

@@ -1,11 +1,15 @@
 """kvtool's native core: the C kernels of the hot path, and how to reach them.
 
 ``core()`` is the compiled extension (``kvtool._native._core``, built by ``pip
-install`` through setuptools) or ``None`` where it was not built or is turned
-off with ``KVTOOL_NATIVE=0``; kvtool then runs the numpy reference of the same
-formats (``kvtool._native.reference``; ctxans's is ``kvtool.modeldict.ctxans_reference``),
-which writes and reads the same bytes, slowly, and says so once in a warning. A core
-built from other sources (another job layout, other ctxans constants) is refused.
+install`` through setuptools; typed by ``core_api.NativeCore``) or ``None`` where
+it was not built or is turned off with ``KVTOOL_NATIVE=0``; kvtool then runs the
+numpy reference of the same formats (``kvtool._native.reference``; ctxans's is
+``kvtool.modeldict.ctxans_reference``), which writes and reads the same bytes,
+slowly, and says so once in a warning. A core built from other sources (another
+job layout, other ctxans constants) is refused.
+
+Some kernels have variants for SIMD instruction sets (``ISAS``), which write and read the
+same bytes; the core runs the best the CPU has, or no better than ``KVTOOL_SIMD`` allows.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import functools
 import importlib
 import os
 import warnings
-from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -22,6 +25,8 @@ import xxhash
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer  # anything with the buffer protocol
+
+    from kvtool._native.core_api import NativeCore
 
 #: One chunk for ``decode_blocks``; the C struct ``job`` in _core.c.
 JOB_DTYPE = np.dtype(
@@ -65,10 +70,12 @@ INT_JOB_DTYPE = np.dtype(
 DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 
 _DISABLED = ("0", "false", "no", "off")
+#: The instruction sets of the core's SIMD kernel variants, in order (the core's enum kvn_isa).
+ISAS = ("scalar", "avx2", "avx512")
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[ModuleType | None, str]:
+def _load() -> tuple[NativeCore | None, str]:
     if os.environ.get("KVTOOL_NATIVE", "").strip().lower() in _DISABLED:
         return None, "turned off by KVTOOL_NATIVE=0"
     try:
@@ -79,7 +86,7 @@ def _load() -> tuple[ModuleType | None, str]:
             or getattr(module, "INT_JOB_SIZE", None) != INT_JOB_DTYPE.itemsize
             or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
-    return module, ""
+    return cast("NativeCore", module), ""  # the C says nothing of its types: core_api states them
 
 
 def _ctxans_constants() -> dict[str, int]:
@@ -89,7 +96,7 @@ def _ctxans_constants() -> dict[str, int]:
     return NATIVE_CONSTANTS
 
 
-def core() -> ModuleType | None:
+def core() -> NativeCore | None:
     """The compiled core, or None (the reason is in ``status()``); warns once when it is missing."""
     module, reason = _load()
     if module is None and not reason.startswith("turned off"):
@@ -106,6 +113,24 @@ def status() -> str:
 @functools.lru_cache(maxsize=1)
 def _warn_once(reason: str) -> None:
     warnings.warn(f"kvtool's native core is {reason}; using the slower numpy reference", RuntimeWarning, stacklevel=3)
+
+
+def isa_limit() -> int:
+    """The best instruction set (an index of ``ISAS``) the core's kernels may use: ``KVTOOL_SIMD``'s, else the best."""
+    name = os.environ.get("KVTOOL_SIMD", "").strip().lower()
+    if not name:
+        return len(ISAS) - 1
+    if name not in ISAS:
+        from kvtool.errors import UsageError
+
+        raise UsageError(f"KVTOOL_SIMD must be one of {', '.join(ISAS)}, not {name!r}")
+    return ISAS.index(name)
+
+
+def isa_here() -> str:
+    """The instruction set the core's SIMD kernels run here (the CPU's best, within ``KVTOOL_SIMD``), by name."""
+    module = core()
+    return ISAS[min(module.isa_best(), isa_limit())] if module is not None else "none (no native core)"
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:

@@ -448,6 +448,8 @@ int kvn_py_ctxans_add_constants(PyObject *module);
 PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
+PyObject *kvn_py_ctxtans_model_isa(PyObject *self, PyObject *args);
+PyObject *kvn_py_isa_best(PyObject *self, PyObject *args);
 /* The outliers side channel's bindings live in outliers.c. */
 PyObject *kvn_py_outliers_split(PyObject *self, PyObject *args);
 PyObject *kvn_py_outliers_merge(PyObject *self, PyObject *args);
@@ -474,6 +476,8 @@ static PyMethodDef methods[] = {
     {"ctxtans_model", kvn_py_ctxtans_model, METH_VARARGS, "A dictionary's ctxtans tANS tables, as a capsule."},
     {"ctxtans_encode", kvn_py_ctxtans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxtans chunk."},
     {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
+    {"ctxtans_model_isa", kvn_py_ctxtans_model_isa, METH_VARARGS, "The instruction set a ctxtans model's lane kernels use (0 portable, 1 AVX2, 2 AVX-512)."},
+    {"isa_best", kvn_py_isa_best, METH_VARARGS, "The best instruction set of the lane kernels this CPU runs (0 portable, 1 AVX2, 2 AVX-512)."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"outliers_split", kvn_py_outliers_split, METH_VARARGS, "Keep each row's outliers of one block apart; returns a status."},

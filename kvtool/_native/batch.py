@@ -4,22 +4,22 @@ Calling the core once per chunk from Python would cost more than the chunk's
 coding. ``BatchCodec`` hands the core a whole tensor to cut and encode, or a
 batch of chunks to verify and decode into one output array, with the GIL
 released throughout, so a thread pool scales with the cores. It serves the
-recipes the core implements end to end: ``exphuff``, ``exphuff-lanes``, ``ctxtans``
-(with its dictionary's tables, built once) and ``none`` (no layouts).
-Every other recipe, and every recipe without the core, takes the .kvz reader's
-and writer's per-chunk path, which writes the same bytes. The core's job records
+codecs whose class offers it (``Codec.batch_kernel``: today exphuff, exphuff-lanes,
+ctxtans with its dictionary's tables, built once, and none), in recipes with no
+layouts. Every other recipe, and every recipe without the core, takes the .kvz
+reader's and writer's per-chunk path, which writes the same bytes. The core's job records
 (``JOB_DTYPE``) are built here and nowhere else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Union
+from typing import Optional, Union
 
 import numpy as np
 
 from kvtool import _native
+from kvtool._native.core_api import CoderModel, NativeCore
 from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
 
@@ -28,34 +28,31 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 @dataclass(frozen=True)
 class BatchCodec:
-    core: ModuleType  # the compiled extension
+    core: NativeCore  # the compiled extension
     dtype_code: int
     coded: bool  # exphuff, exphuff-lanes or ctxtans; otherwise every chunk is the block's bytes as they are
-    model: object = None  # ctxtans: the core's copy of its dictionary's tables; None: exphuff
+    model: Optional[CoderModel] = None  # ctxtans: the core's copy of its dictionary's tables; None: exphuff
     lane: int = 0  # exphuff-lanes' symbols per lane; 0 for exphuff
 
     @classmethod
-    def for_recipe(cls, recipe: Any, dtype: np.dtype) -> "BatchCodec | None":
-        """The batch path for ``recipe`` (a ``kvtool.recipe.Recipe``, above this package) on ``dtype`` tensors, if the core
-        implements it."""
+    def of(cls, dtype: np.dtype, coded: bool, model: Optional[CoderModel] = None, lane: int = 0) -> "BatchCodec | None":
+        """The core's batch kernel for tensors of ``dtype`` (``coded``: exphuff's chunk versions, or ctxtans's with
+        ``model``; otherwise every chunk is the block's bytes), or None where the core is off or lacks the dtype."""
         core = _native.core()
-        if core is None or len(recipe.layouts) or recipe.plane_codecs:
-            return None
         try:
             name = dtype_of(np.dtype(dtype)).name
         except UsageError:
             return None
-        codec_id = recipe.codec.codec_id
-        if name not in _native.DTYPE_CODES or codec_id not in ("exphuff", "exphuff-lanes", "ctxtans", "none"):
+        if core is None or name not in _native.DTYPE_CODES:
             return None
-        model = recipe.codec.model() if codec_id == "ctxtans" else None
-        return cls(core, _native.DTYPE_CODES[name], codec_id != "none", model, int(getattr(recipe.codec, "lane", 0)))
+        return cls(core, _native.DTYPE_CODES[name], coded, model, lane)
 
     def encode_tensor(self, tensor: np.ndarray, chunk_tokens: int) -> tuple[bytes, np.ndarray]:
         """The chunks of a ``[heads, tokens, dim]`` tensor back to back, and per chunk its BLOCK_META_DTYPE record."""
         contiguous = np.ascontiguousarray(tensor)
+        heads, tokens, dim = tensor.shape
         blob, meta = self.core.encode_blocks(
-            contiguous.reshape(-1).view(np.uint8), self.dtype_code, *tensor.shape, chunk_tokens, self.coded, self.model,
+            contiguous.reshape(-1).view(np.uint8), self.dtype_code, heads, tokens, dim, chunk_tokens, self.coded, self.model,
             self.lane,
         )
         return blob, np.frombuffer(meta, _native.BLOCK_META_DTYPE)
@@ -74,14 +71,13 @@ class BatchCodec:
         """Verify and decode ``chunks``; row (h, t) of chunk i goes to byte ``rows[row_starts[i] + h * tokens + t]`` of
         ``targets[chunks.out_index[i]]`` (flat writable byte arrays), or nowhere where that offset is negative."""
         status, failed = self.core.decode_rows(
-            src, _jobs(chunks), row_starts.astype("<i8").tobytes(), rows.astype("<i8").tobytes(), targets,
-            self.dtype_code, heads, dim, True, self.model,
+            src, _jobs(chunks), _int64(row_starts), _int64(rows), targets, self.dtype_code, heads, dim, True, self.model,
         )
         raise_for_status(self.core, status, failed)
 
 
 
-def raise_for_status(core: ModuleType, status: int, failed: int) -> None:
+def raise_for_status(core: NativeCore, status: int, failed: int) -> None:
     """The ``ChunkDecodeError`` a batch call's status means (nothing for 0); ``failed``: the job that failed."""
     if status == core.STATUS_CHECKSUM:
         raise ChunkDecodeError("checksum mismatch", failed, "checksum")
@@ -105,8 +101,8 @@ def place_rows(block: np.ndarray, offsets: np.ndarray, target: np.ndarray) -> bo
     heads, tokens, dim = block.shape
     one = np.zeros(1, np.int64)
     chunk = Chunks(one, np.array([block.nbytes]), one, one, np.ones(1, bool), np.array([tokens]), one, one)
-    status, _ = core.decode_rows(_native.byte_view(block), _jobs(chunk), one.astype("<i8").tobytes(),
-                                 offsets.astype("<i8").tobytes(), [target], code, heads, dim, False)
+    status, _ = core.decode_rows(_native.byte_view(block), _jobs(chunk), _int64(one), _int64(offsets), [target], code,
+                                 heads, dim, False)
     if status:
         raise ChunkDecodeError("does not fit its destination", 0, "destination")
     return True
@@ -136,7 +132,12 @@ class ChunkDecodeError(DecodeError):
         self.reason = reason
 
 
-def _jobs(chunks: Chunks) -> bytes:
+def _int64(values: np.ndarray) -> np.ndarray:
+    """``values`` as the core reads offsets: C-contiguous little-endian int64, copied only where they are not."""
+    return np.ascontiguousarray(values, dtype="<i8")
+
+
+def _jobs(chunks: Chunks) -> np.ndarray:
     """The C core's job records (JOB_DTYPE) of ``chunks``."""
     jobs = np.zeros(len(chunks.offset), _native.JOB_DTYPE)
     jobs["offset"] = chunks.offset
@@ -147,4 +148,4 @@ def _jobs(chunks: Chunks) -> bytes:
     jobs["flags"] = np.where(chunks.stored_raw, _native.JOB_STORED_RAW, 0)
     jobs["block_tokens"] = chunks.block_tokens
     jobs["block_start"] = chunks.block_start
-    return jobs.tobytes()
+    return jobs

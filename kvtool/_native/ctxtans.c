@@ -1,17 +1,19 @@
-/* ctxtans: a float KV block coded with a model dictionary's context models and tANS.
+/* ctxtans: a float KV block coded with a model dictionary's context models, brought to 11-bit
+ * frequencies once per dictionary (kvtool/_native/ctxtans_tables.py).
  *
  * The symbols are ctxans's (see ctxans.c): each value's sign and level (exponent and
  * top mantissa bit) relative to its channel's reference, coded in the context its
  * channel's previous token left with the models of the channel's dictionary class;
- * repeated rows named; the low mantissa bits raw. The coder is what makes the
- * difference: every model is a tANS table of 2^11 states built once per dictionary
- * (kvtool/_native/ctxtans_tables.py), and all tables share one state space, so a value
- * decodes in one table step: entry = table[class row + context row + state] gives the
- * symbol, how many bits to read and the next state's base, with the context the symbol
- * leaves packed in. Eight states are interleaved (symbol i uses state i % 8), so eight
- * independent lookups are in flight, and values go a group of 8 channels at a time, token by
- * token, each head's channels in class order (chunk version 2), so a group sweeps only the
- * tables of its channels' 2-3 classes. A chunk the dictionary codes worse than a Huffman
+ * repeated rows named; the low mantissa bits raw. Values go a group of channels at a
+ * time, token by token, each head's channels in class order, so a group sweeps only the
+ * tables of its channels' classes. Chunk version 3 (what the encoder writes) codes them
+ * with rANS, a state per channel of a head's groups of 64: the lanes of SIMD registers,
+ * which the lane kernels step together (ctxtans_lanes*.c, ctxtans_avx*.c). Versions 1 and 2
+ * code them with tANS, eight states taking the symbols in turn, each model a table of 2^11
+ * states sharing one state space, so a value decodes in one table step: entry = table[class
+ * row + context row + state] gives the symbol, how many bits to read and the next state's
+ * base, with the context the symbol leaves packed in. Here are the model, the chunk's head and
+ * sections, and versions 1 and 2's stream. A chunk the dictionary codes worse than a Huffman
  * code of its own counts would is an exphuff chunk instead (mode 1).
  *
  * kvtool/_native/ctxtans_reference.py is the same format in numpy; docs/FORMAT.md
@@ -22,7 +24,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "ctxtans_impl.h"
+#include "ctxtans_lanes.h"
 
 /* The decode tables (4 MiB for 32 classes x 16 contexts) are read at random: on 2 MiB pages where
  * the system has them (fewer TLB misses; no gain was measurable on the loaded machine here). */
@@ -36,10 +38,26 @@ static void *table_alloc(size_t size) {
     return p;
 }
 
+int kvn_isa_best(void) {
+#ifdef KVN_LANES_X86
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2") || !__builtin_cpu_supports("popcnt"))
+        return KVN_ISA_SCALAR;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vpopcntdq"))
+        return KVN_ISA_AVX512;
+    return KVN_ISA_AVX2;
+#else
+    return KVN_ISA_SCALAR;
+#endif
+}
+
+int kvn_tans_model_isa(const kvn_tans_model *m) { return m->isa; }
+
 kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
                                    const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
-                                   const uint16_t *base, const uint16_t *encode, const int32_t *cost,
-                                   const int32_t *class_cost, const uint8_t *context_of, const uint8_t tag[4]) {
+                                   const uint16_t *base, const int32_t *cost, const int32_t *class_cost,
+                                   const uint8_t *context_of, const uint8_t tag[4], int max_isa) {
     if (classes < 1 || classes > KVN_TANS_MAX_CLASSES || contexts < 1 || contexts > KVN_TANS_MAX_CONTEXTS ||
         start_context < 0 || start_context >= contexts)
         return NULL;
@@ -56,7 +74,7 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
         for (size_t u = 0; u < T; u++) {
             size_t i = k * T + u;
             if (symbol[i] >= KVN_TANS_SYMBOLS || !g[k * KVN_TANS_SYMBOLS + symbol[i]] || nbits[i] > L ||
-                (uint32_t)base[i] + (1u << nbits[i]) > T || encode[i] >= T)
+                (uint32_t)base[i] + (1u << nbits[i]) > T)
                 return NULL;
         }
     }
@@ -65,46 +83,44 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
     kvn_tans_model *m = calloc(1, sizeof(*m));
     if (!m) return NULL;
     m->dec = table_alloc(models * T * sizeof(uint32_t));
-    m->enc = malloc(models * T * sizeof(uint16_t));
-    m->info = malloc(models * KVN_TANS_SYMBOLS * sizeof(uint32_t));
-    m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * COST_LANES, sizeof(int16_t));
-    if (!m->dec || !m->enc || !m->info || !m->cost) {
-        kvn_tans_model_free(m);
-        return NULL;
-    }
+    m->cost_lanes = classes <= 32 ? 32 : COST_LANES;
+    m->cost = calloc((size_t)contexts * KVN_TANS_SYMBOLS * (size_t)m->cost_lanes, 1);
     m->classes = classes;
     m->contexts = contexts;
     m->start_context = start_context;
     m->class_model = (size_t)classes * (size_t)contexts;
     m->ref_model = m->class_model + 1;
+    memcpy(m->context_of, context_of, KVN_TANS_SYMBOLS);
+    if (!m->dec || !m->cost || kvn_lanes_tables(m, g, start)) {
+        kvn_tans_model_free(m);
+        return NULL;
+    }
     for (size_t i = 0; i < models * T; i++)
         m->dec[i] = symbol[i] | (uint32_t)nbits[i] << 6 | ((uint32_t)context_of[symbol[i]] << L | base[i]) << 16;
-    memcpy(m->enc, encode, models * T * sizeof(uint16_t));
-    for (size_t i = 0; i < models * KVN_TANS_SYMBOLS; i++) {
-        uint32_t f = g[i];
-        m->info[i] = f | (uint32_t)start[i] << 12 | (f ? (uint32_t)(L - (31 - __builtin_clz(f))) : 0u) << 24;
-    }
     for (size_t r = 0; r < (size_t)contexts * KVN_TANS_SYMBOLS; r++)
-        for (int k = 0; k < classes; k++) m->cost[r * COST_LANES + k] = (int16_t)cost[r * (size_t)classes + (size_t)k];
+        for (int k = 0; k < classes; k++) m->cost[r * (size_t)m->cost_lanes + k] = (uint8_t)cost[r * (size_t)classes + (size_t)k];
     memcpy(m->class_cost, class_cost, (size_t)classes * sizeof(int32_t));
-    memcpy(m->context_of, context_of, KVN_TANS_SYMBOLS);
     memcpy(m->tag, tag, 4);
+    int best = kvn_isa_best();
+    m->isa = max_isa < best ? (max_isa > KVN_ISA_SCALAR ? max_isa : KVN_ISA_SCALAR) : best;
     return m;
 }
 
 void kvn_tans_model_free(kvn_tans_model *m) {
     if (!m) return;
     free(m->dec);
-    free(m->enc);
-    free(m->info);
+    free(m->bucket);
+    free(m->fcx);
+    free(m->rcp);
+    free(m->rec);
     free(m->cost);
     free(m);
 }
 
 size_t kvn_tans_bound(const kvn_block *b) {
     size_t n = b->heads * b->tokens * b->dim, channels = b->heads * b->dim, rows = b->heads * b->tokens;
-    size_t coded = HEAD_SIZE + 4 + (rows + 7) / 8 + 5 * rows + 2 * (n + channels) +
-                   raw_bytes(n, split_of(b->dtype).raw_bits) + ((n + 2 * channels) * L + STATES * L + 8) / 8 + 16;
+    size_t coded = HEAD_SIZE + 4 + (rows + 7) / 8 + 5 * rows + 2 * (n + channels) + raw_bytes(n, split_of(b->dtype).raw_bits) +
+                   2 * (n + 2 * channels) + 4 * LANES + 16; /* two bytes at most a symbol, and the states */
     size_t fallback = 2 + kvn_exphuff_bound(b);
     return coded > fallback ? coded : fallback;
 }
@@ -137,20 +153,6 @@ KVN_INLINE unsigned tans_get(const uint32_t *table, uint32_t *x, bit_reader *r) 
     uint32_t e = table[*x];
     *x = ((e >> 16) & (T - 1)) + read_bits(r, (e >> 6) & 0xF);
     return e & 63;
-}
-
-typedef struct {
-    const uint8_t *esc;
-    size_t n_esc, esc_at;
-    const uint8_t *raw;
-    uint64_t raw_pos;
-} side_data;
-
-KVN_INLINE int next_escape(side_data *sd, uint32_t *level) {
-    if (sd->esc_at == sd->n_esc) return 0;
-    *level = sd->esc[2 * sd->esc_at] | (uint32_t)sd->esc[2 * sd->esc_at + 1] << 8;
-    sd->esc_at++;
-    return 1;
 }
 
 /* One value from its symbol, its channel's reference, the escapes and the raw bits. */
@@ -285,93 +287,103 @@ static int decode_values(const kvn_tans_model *m, const kvn_block *b, const spli
                          const uint32_t *chan, const uint32_t *refs, const uint32_t *cls_row, uint32_t *row_of,
                          uint32_t *x, bit_reader *r, side_data *sd, uint8_t *dst) {
 #define DTYPE(w, rb, ss, levels) decode_values_w(m, b, sp, back, chan, refs, cls_row, row_of, x, r, sd, dst, w, rb, ss, levels)
-    switch (b->dtype) {
-    case KVN_BF16: return DTYPE(2, 6, 15, 512);
-    case KVN_FP16: return DTYPE(2, 9, 15, 64);
-    case KVN_FP32: return DTYPE(4, 22, 31, 512);
-    case KVN_FP8_E4M3: return DTYPE(1, 2, 7, 32);
-    default: return DTYPE(1, 1, 7, 64);
-    }
+    RETURN_BY_DTYPE(b->dtype, DTYPE)
 #undef DTYPE
 }
 
-int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
-    int rc = check_block(b);
-    if (rc) return rc;
-    size_t H = b->heads, D = b->dim, C = H * D, rows = H * b->tokens, n = rows * D;
-    if (len >= 2 && (src[0] == 1 || src[0] == VERSION) && src[1] == MODE_EXPHUFF)
-        return n ? kvn_exphuff_decode(b, src + 2, len - 2, dst) : KVN_ERR_CORRUPT;
-    if (len < HEAD_SIZE || (src[0] != 1 && src[0] != VERSION) || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
-        return KVN_ERR_CORRUPT;
-    if (memcmp(src + 4, m->tag, 4)) return KVN_ERR_ARG;
-    uint32_t base = src[8] | (uint32_t)src[9] << 8;
-    size_t n_esc = kvn_rd32(src + 10), stream_len = kvn_rd32(src + 14);
-    if (!n) return len == HEAD_SIZE && !src[2] && !base && !n_esc && !stream_len ? KVN_OK : KVN_ERR_CORRUPT;
+/* Versions 1 and 2 after their sections: the tANS stream's states and side information, then the values. */
+static int decode_tans(const kvn_tans_model *m, const kvn_block *b, unsigned version, const uint32_t *back,
+                       side_data *sd, const uint8_t *end, size_t stream_len, uint32_t base, uint8_t *dst) {
+    size_t H = b->heads, D = b->dim, C = H * D;
     split sp = split_of(b->dtype);
-    uint32_t *back = malloc(rows * sizeof(uint32_t)), *refs = malloc(C * sizeof(uint32_t));
-    uint32_t *cls_row = malloc(C * sizeof(uint32_t)), *row_of = malloc(C * sizeof(uint32_t));
-    uint32_t *chan = malloc(C * sizeof(uint32_t)), *by_chan = malloc(2 * C * sizeof(uint32_t));
+    if (stream_len < MIN_STREAM || !end[-1]) return KVN_ERR_CORRUPT;
+    uint32_t *refs = malloc(C * sizeof(uint32_t)), *cls_row = malloc(C * sizeof(uint32_t));
+    uint32_t *row_of = malloc(C * sizeof(uint32_t)), *chan = malloc(C * sizeof(uint32_t));
+    uint32_t *by_chan = malloc(2 * C * sizeof(uint32_t));
     uint8_t *cls = malloc(C);
-    if (!back || !refs || !cls_row || !row_of || !chan || !by_chan || !cls) { rc = KVN_ERR_NOMEM; goto done; }
-    const uint8_t *p = src + HEAD_SIZE, *end = src + len;
-    size_t repeated = 0;
-    if (src[2] & FLAG_REPEATS) {
-        if ((size_t)(end - p) < 4) { rc = KVN_ERR_CORRUPT; goto done; }
-        size_t body = kvn_rd32(p);
-        p += 4;
-        if ((size_t)(end - p) < body) { rc = KVN_ERR_CORRUPT; goto done; }
-        rc = kvn_read_repeats(p, body, rows, back, &repeated);
-        if (rc) goto done;
-        p += body;
-    } else {
-        memset(back, 0, rows * sizeof(uint32_t));
-    }
-    size_t n_coded = (rows - repeated) * D, raw_len = raw_bytes(n_coded, sp.raw_bits);
-    size_t rest = (size_t)(end - p);
-    if (n_esc > rest / 2 || raw_len > rest - 2 * n_esc || stream_len != rest - 2 * n_esc - raw_len ||
-        stream_len < MIN_STREAM || !end[-1]) {
-        rc = KVN_ERR_CORRUPT;
-        goto done;
-    }
-    side_data sd = {p, n_esc, 0, p + 2 * n_esc, 0};
+    int rc = KVN_ERR_NOMEM;
+    if (!refs || !cls_row || !row_of || !chan || !by_chan || !cls) goto done;
+    rc = KVN_ERR_CORRUPT;
     bit_reader r = {end - stream_len, 8 * (int64_t)(stream_len - 1) + (31 - __builtin_clz(end[-1])), 0, 0};
     uint32_t x[STATES];
     for (int k = STATES; k-- > 0;) {
-        if (!reload(&r)) { rc = KVN_ERR_CORRUPT; goto done; }
+        if (!reload(&r)) goto done;
         x[k] = read_bits(&r, L);
     }
     const uint32_t *class_table = m->dec + m->class_model * T, *ref_table = m->dec + m->ref_model * T;
     uint32_t start_row = (uint32_t)m->start_context << L;
     for (size_t c = 0; c < C; c++) {
-        if (!reload(&r)) { rc = KVN_ERR_CORRUPT; goto done; }
+        if (!reload(&r)) goto done;
         unsigned k = tans_get(class_table, &x[(2 * c) % STATES], &r);
         unsigned offset = tans_get(ref_table, &x[(2 * c + 1) % STATES], &r);
         uint32_t ref = base + offset;
-        if ((offset == REF_SYMBOLS - 1 && !next_escape(&sd, &ref)) || ref >= sp.level_count) {
-            rc = KVN_ERR_CORRUPT;
-            goto done;
-        }
+        if ((offset == REF_SYMBOLS - 1 && !next_escape(sd, &ref)) || ref >= sp.level_count) goto done;
         cls[c] = (uint8_t)k;
         by_chan[c] = ref;
         by_chan[C + c] = (uint32_t)((size_t)k * (size_t)m->contexts * T);
     }
-    coding_channels(cls, H, D, src[0], chan);
+    coding_channels(cls, H, D, version, chan);
     for (size_t p = 0; p < C; p++) {
         refs[p] = by_chan[chan[p]];
         cls_row[p] = by_chan[C + chan[p]];
         row_of[p] = cls_row[p] + start_row;
     }
-    rc = decode_values(m, b, &sp, back, chan, refs, cls_row, row_of, x, &r, &sd, dst);
-    if (!rc && (r.pos || sd.esc_at != n_esc)) rc = KVN_ERR_CORRUPT;
+    rc = decode_values(m, b, &sp, back, chan, refs, cls_row, row_of, x, &r, sd, dst);
     for (int k = 0; !rc && k < STATES; k++)
         if (x[k]) rc = KVN_ERR_CORRUPT;
+    if (!rc && r.pos) rc = KVN_ERR_CORRUPT;
 done:
-    free(back);
     free(refs);
     free(cls_row);
     free(row_of);
     free(chan);
     free(by_chan);
     free(cls);
+    return rc;
+}
+
+int kvn_tans_decode(const kvn_tans_model *m, const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
+    int rc = check_block(b);
+    if (rc) return rc;
+    size_t rows = b->heads * b->tokens, n = rows * b->dim;
+    unsigned version = len ? src[0] : 0;
+    if (len >= 2 && version >= 1 && version <= VERSION && src[1] == MODE_EXPHUFF)
+        return n ? kvn_exphuff_decode(b, src + 2, len - 2, dst) : KVN_ERR_CORRUPT;
+    if (len < HEAD_SIZE || version < 1 || version > VERSION || src[1] != MODE_DICT || (src[2] & ~FLAG_REPEATS) || src[3])
+        return KVN_ERR_CORRUPT;
+    if (memcmp(src + 4, m->tag, 4)) return KVN_ERR_ARG;
+    uint32_t base = src[8] | (uint32_t)src[9] << 8;
+    size_t n_esc = kvn_rd32(src + 10), stream_len = kvn_rd32(src + 14);
+    if (!n) return len == HEAD_SIZE && !src[2] && !base && !n_esc && !stream_len ? KVN_OK : KVN_ERR_CORRUPT;
+    uint32_t *back = malloc(rows * sizeof(uint32_t));
+    if (!back) return KVN_ERR_NOMEM;
+    const uint8_t *p = src + HEAD_SIZE, *end = src + len;
+    size_t repeated = 0;
+    rc = KVN_ERR_CORRUPT;
+    if (src[2] & FLAG_REPEATS) {
+        if ((size_t)(end - p) < 4) goto done;
+        size_t body = kvn_rd32(p);
+        p += 4;
+        if ((size_t)(end - p) < body) goto done;
+        rc = kvn_read_repeats(p, body, rows, back, &repeated);
+        if (rc) goto done;
+        rc = KVN_ERR_CORRUPT;
+        p += body;
+    } else {
+        memset(back, 0, rows * sizeof(uint32_t));
+    }
+    uint64_t raw_total = (uint64_t)(rows - repeated) * b->dim * split_of(b->dtype).raw_bits;
+    size_t raw_len = (size_t)((section_bits(version, raw_total) + 7) / 8), rest = (size_t)(end - p);
+    if (n_esc > rest / 2 || raw_len > rest - 2 * n_esc || stream_len != rest - 2 * n_esc - raw_len) goto done;
+    side_data sd = {p, n_esc, 0, p + 2 * n_esc, 0};
+    if (version >= 3) {
+        lane_chunk lc = {back, &sd, end - stream_len, stream_len, base, raw_total};
+        rc = kvn_tans_lanes_decode(m, b, &lc, dst);
+    } else {
+        rc = decode_tans(m, b, version, back, &sd, end, stream_len, base, dst);
+    }
+    if (!rc && sd.esc_at != n_esc) rc = KVN_ERR_CORRUPT;
+done:
+    free(back);
     return rc;
 }

@@ -95,4 +95,5 @@ class TansTables:
 def _cost(g: np.ndarray) -> np.ndarray:
     """A symbol's cost in 1/COST_UNIT bits, ``round(COST_UNIT * (TABLE_LOG - log2 g))``; exact (see format.cost_of)."""
     bits = TABLE_LOG - np.log2(np.maximum(g, 1).astype(np.float64))
-    return np.floor(COST_UNIT * bits + 0.5).astype(np.int64)
+    cost: np.ndarray = np.floor(COST_UNIT * bits + 0.5).astype(np.int64)
+    return cost

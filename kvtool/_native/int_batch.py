@@ -7,7 +7,8 @@ decompressed (zstd releases the GIL), and restores them in one call of the core
 (``int_decode_blocks``, GIL released): each plane's raw checksum verified, each
 block's values written straight into the destination's rows. It serves recipes
 whose only layout is ``int`` and whose every plane is coded with zstd, on bf16,
-fp16 and fp32 caches; a recipe with any other layout takes the per-chunk path.
+fp16 and fp32 caches (the ``int`` layout offers it: ``Layout.batch_kernel``); a recipe with any
+other layout takes the per-chunk path.
 The inverse is intquant.c's, byte for byte the numpy reference's.
 
 ``error_stats`` is the core's copy of what a lossy write measures per block (every lossy stage's,
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from kvtool import _native
 from kvtool._native.batch import Buffer, raise_for_status
+from kvtool._native.core_api import NativeCore
 from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import UsageError
 
@@ -40,27 +41,22 @@ class Declined(Exception):
 
 @dataclass(frozen=True)
 class IntBatchCodec:
-    core: ModuleType
+    core: NativeCore
     dtype_code: int
     group: int
 
     @classmethod
-    def for_recipe(cls, recipe: Any, dtype: np.dtype) -> "IntBatchCodec | None":
-        """The batch path for ``recipe`` (a ``kvtool.recipe.Recipe``, above this package) on ``dtype`` tensors, where
-        its only layout is ``int`` and every plane is zstd's; None otherwise."""
+    def of(cls, dtype: np.dtype, group: int) -> "IntBatchCodec | None":
+        """The core's restore of ``int`` blocks of ``dtype`` in groups of ``group``, or None where the core is off or
+        does not write the dtype."""
         core = _native.core()
-        layouts = list(recipe.layouts)
-        if core is None or len(layouts) != 1 or getattr(layouts[0], "layout_id", None) != "int":
-            return None
-        if any(c.codec_id != "zstd" for c in [recipe.codec, *recipe.plane_codecs.values()]):
-            return None
         try:
             name = dtype_of(np.dtype(dtype)).name
         except UsageError:
             return None
-        if name not in INT_DTYPES:
+        if core is None or name not in INT_DTYPES:
             return None
-        return cls(core, _native.DTYPE_CODES[name], int(layouts[0].group))
+        return cls(core, _native.DTYPE_CODES[name], group)
 
     def decode(self, planes: Sequence[Buffer], jobs: np.ndarray, rows: np.ndarray, targets: list[np.ndarray],
                heads: int, dim: int) -> None:

@@ -210,7 +210,8 @@ def write_code_table(length: np.ndarray) -> bytes:
     nibbles = length[used]
     if len(nibbles) % 2:
         nibbles = np.append(nibbles, 0)
-    return np.packbits(bitmap, bitorder="little").tobytes() + (nibbles[0::2] | nibbles[1::2] << 4).astype(np.uint8).tobytes()
+    table: bytes = np.packbits(bitmap, bitorder="little").tobytes() + (nibbles[0::2] | nibbles[1::2] << 4).astype(np.uint8).tobytes()
+    return table
 
 
 def encode(block: np.ndarray, dtype_name: str) -> bytes:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, List, Optional
 
 import typer
 
 from kvtool import costmodel as model
+from kvtool.model_shape import DTYPE_BYTES, ModelShape, shape_from_config
 from kvtool.cli._common import JSON_OPTION, Command, decimals_for, existing_file, print_json, print_table
 from kvtool.errors import UsageError
 from kvtool.plan_presets import PRESETS
@@ -26,12 +28,14 @@ HARDWARE_HELP = ("Named hardware (docs/PLAN.md): " + "; ".join(f"{p.name}: {p.ma
 
 
 def plan(
-    model_config: Optional[Path] = typer.Option(None, "--model-config", help="A Hugging Face config.json or a .gguf file."),
+    model_config: Optional[Path] = typer.Option(
+        None, "--config", "--model-config",
+        help="A Hugging Face config.json (its attention kinds: MLA latents, sliding windows, state layers) or a .gguf file."),
     name: Optional[str] = typer.Option(None, help="Model name for the report (default: the config's model, or 'model')."),
     layers: Optional[int] = typer.Option(None, min=1, help="Layers (overrides the config)."),
     kv_heads: Optional[int] = typer.Option(None, min=1, help="KV heads (overrides the config)."),
     head_dim: Optional[int] = typer.Option(None, min=1, help="Head dimension (overrides the config)."),
-    dtype: str = typer.Option("bf16", help=f"KV dtype: {', '.join(model.DTYPE_BYTES)}."),
+    dtype: str = typer.Option("bf16", help=f"KV dtype: {', '.join(DTYPE_BYTES)}."),
     hardware: Optional[str] = typer.Option(None, "--hardware", help=HARDWARE_HELP),
     prefill_tps: Optional[float] = typer.Option(None, help="Prefill speed in tokens/s (a linear model)."),
     prefill_fit: Optional[str] = typer.Option(None, help="Prefill seconds as A,B,C in A + B*n + C*n^2."),
@@ -81,14 +85,13 @@ def plan(
     _print_report(report, shape, inputs, validate is not None)
 
 
-def _print_report(report: dict, shape: model.ModelShape, inputs: model.Inputs, validated: bool) -> None:
+def _print_report(report: dict, shape: ModelShape, inputs: model.Inputs, validated: bool) -> None:
     """The inputs, each with its source, then the predictions as a few tables: one row per context
     and tier, one column per codec."""
     p, sources = inputs.prefill, inputs.sources
     typer.echo(f"kvtool plan for {shape.name}: {report['label']}. Inputs:")
     inputs_rows = [
-        ("model", (f"{format_size(shape.bytes_per_token)}/token ({shape.layers} layers x {shape.kv_heads} KV heads "
-                   f"x {shape.head_dim} dims x K,V x {model.DTYPE_BYTES[shape.dtype]} bytes)"), sources.get("model", "")),
+        ("model", f"{format_size(shape.bytes_per_token)}/token ({shape.describe()})", sources.get("model", "")),
         ("prefill", f"{p.a:.4g} + {p.b:.4g}*n + {p.c:.4g}*n^2 s", sources["prefill"]),
         ("tiers", ", ".join(f"{t.name} {t.bandwidth / GB:.2f} GB/s + {t.latency * 1e3:.3g} ms/entry" for t in inputs.tiers),
          sources["tiers"]),
@@ -138,23 +141,20 @@ def _print_report(report: dict, shape: model.ModelShape, inputs: model.Inputs, v
 NEVER = "never"
 
 
-def _shape(config: Optional[Path], name: Optional[str], layers, kv_heads, head_dim, dtype: str) -> model.ModelShape:
-    if dtype not in model.DTYPE_BYTES:
-        raise UsageError(f"unknown dtype {dtype!r}; known: {', '.join(model.DTYPE_BYTES)}")
-    base = None
+def _shape(config: Optional[Path], name: Optional[str], layers, kv_heads, head_dim, dtype: str) -> ModelShape:
+    """The config's shape (with its latents, windows and state layers), or the options', which override it."""
+    if dtype not in DTYPE_BYTES:
+        raise UsageError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    base = ModelShape("model", 0, 0, 0, dtype)
     if config:
         existing_file(config)
-        base = model.shape_from_gguf(config, dtype) if config.suffix == ".gguf" else model.shape_from_config(config, dtype)
-    values: dict[str, Any] = {
-        "name": name or (base.name if base else "model"),
-        "layers": layers or (base and base.layers),
-        "kv_heads": kv_heads or (base and base.kv_heads),
-        "head_dim": head_dim or (base and base.head_dim),
-    }
-    missing = [k for k, v in values.items() if not v]
+        base = model.shape_from_gguf(config, dtype) if config.suffix == ".gguf" else shape_from_config(config, dtype)
+    given = {"name": name, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+    shape = replace(base, **{k: v for k, v in given.items() if v})
+    missing = [k for k in ("layers", "kv_heads", "head_dim") if not getattr(shape, k)]
     if missing:
-        raise UsageError(f"give --model-config or all of --layers, --kv-heads, --head-dim (missing: {', '.join(missing)})")
-    return model.ModelShape(dtype=dtype, **values)
+        raise UsageError(f"give --config or all of --layers, --kv-heads, --head-dim (missing: {', '.join(missing)})")
+    return shape
 
 
 #: The hardware inputs, and the options that give each.
@@ -182,7 +182,7 @@ def _given(tps, fit, tiers, codecs, bench_json, build_gbps) -> dict[str, tuple[A
     return given
 
 
-def _inputs(shape: model.ModelShape, measured: Optional[dict], hardware: Optional[str],
+def _inputs(shape: ModelShape, measured: Optional[dict], hardware: Optional[str],
             given: dict[str, tuple[Any, str]], chunk_tokens: Optional[int]) -> model.Inputs:
     """The model's inputs: a measured run's or a preset's, then what the options give. Every hardware
     input must come from somewhere, and a prefill only from a run or a preset of this model."""

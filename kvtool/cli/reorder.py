@@ -107,6 +107,8 @@ def restore(path: Path) -> KVCache:
         try:
             chain = LayoutChain([layout_from_config(c) for c in json.loads(meta["kvtool.layout"])])
             originals = json.loads(meta["kvtool.tensors"])
+        except KvtoolError:  # an unknown layout id: as it is, not as a ValueError below
+            raise
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise DecodeError(f"{path}: bad reorder metadata ({exc})") from None
         model, provenance, token_start = parse_metadata(meta, path)
@@ -146,10 +148,10 @@ def _restore_tensor(f, names: set[str], chain: LayoutChain, base: str, original:
         register_numpy_types()  # safetensors names the numpy type by its name
         planes = [f.get_tensor(f"{base}.{s.name}") for s in specs]
         return chain.inverse(planes, [spec])[0]
+    except KvtoolError as exc:  # before ValueError: a UsageError is one too
+        raise type(exc)(f"{path}: {base}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise DecodeError(f"{path}: bad entry for {base} ({exc})") from None
-    except KvtoolError as exc:
-        raise type(exc)(f"{path}: {base}: {exc}") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -191,7 +191,8 @@ def stats(
     api: Optional[str] = TARGET_API_OPTION,
     token_file: Optional[Path] = TOKEN_FILE_OPTION,
 ):
-    """What the store holds, per tier: entries, bytes, capacity (reads only: changes nothing).
+    """What the store holds, per tier: entries, bytes, capacity, writes its servers refused for lack of memory
+    (Redis, from every client). Reads only: changes nothing.
 
     --json and --prometheus add this process's counters (hits, bytes read, ...),
     which start at zero: a store's activity is in the metrics of the processes using it.
@@ -220,8 +221,10 @@ def stats(
             "entries": tier["entries"],
             "used": "?" if used is None else format_size(used),
             "capacity": "unbounded" if capacity is None else format_size(capacity),
+            # what the tier's servers refused for lack of memory, from every client (Redis), where they say
+            "refused writes": tier.get("server_refused_writes", "-"),
         })
-    print_table(rows, ["tier", "store", "entries", "used", "capacity"])
+    print_table(rows, ["tier", "store", "entries", "used", "capacity", "refused writes"])
 
 
 KEYS_ARGUMENT = typer.Argument(..., help="Keys of the entries.", show_default=False)

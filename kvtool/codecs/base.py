@@ -14,6 +14,7 @@ from typing import ClassVar, Collection, Union
 import numpy as np
 
 from kvtool import _native
+from kvtool._native.batch import BatchCodec
 from kvtool.component import Component
 from kvtool.dtypes import dtype_of
 from kvtool.errors import OutputTooLargeError, UsageError
@@ -57,6 +58,19 @@ class Codec(Component, abc.ABC):
     magic: ClassVar[bytes | None] = None
     #: True when the format carries its own checksum, so corrupt input raises.
     self_checking: ClassVar[bool] = True
+    # What the codec can do beyond encode/decode, asked by the pipelines, the GPU path and the integrations
+    # (which never list codec ids):
+    #: A model dictionary decides the coding; a recipe names it as ``CODEC:ID`` (``kvtool train`` makes one).
+    uses_dictionary: ClassVar[bool] = False
+    #: The GPU decoder (``kvtool.gpu``) reads this codec's chunks straight into paged KV blocks.
+    gpu_decodes: ClassVar[bool] = False
+    #: ``decode`` releases the GIL and is cheap to call per plane: a layout's batch kernel may take its planes.
+    plane_batch: ClassVar[bool] = False
+
+    def batch_kernel(self, dtype: np.dtype) -> BatchCodec | None:
+        """The native kernel that codes whole tensors of ``dtype`` and decodes runs of this codec's chunks straight
+        into a destination's rows (``kvtool._native.batch``), where the codec has one and the core runs; else None."""
+        return None
 
     @abc.abstractmethod
     def encode(self, buf: BufferLike) -> bytes:

@@ -1,14 +1,16 @@
-"""``ctxtans``: KV blocks coded with a model dictionary's context models and tANS, at the default's speed.
+"""``ctxtans``: KV blocks coded with a model dictionary's context models, a channel per SIMD lane.
 
 The models of ``ctxans`` (each value's sign, exponent and top mantissa bit as
 one symbol, coded in the context of its channel's previous token with the
 models of the channel's dictionary class; repeated rows named; the other
-mantissa bits raw), coded with tANS instead of rANS: every model of the
-dictionary becomes a table of 2^11 states once, when the dictionary is first
-used, so no table is built per chunk and a value decodes in one table step.
-A chunk the dictionary codes worse than a Huffman code of the chunk's own
-statistics would is written as an ``exphuff`` chunk (the fallback for a
-dictionary that does not fit the model).
+mantissa bits raw), brought to 11-bit frequencies once, when the dictionary is
+first used, so no table is built per chunk. Chunks of version 3 (what it
+writes) give every channel of a head's groups of 64 its own rANS state, so the
+core decodes 16 channels per AVX-512 register (8 per AVX2 one) side by side;
+versions 1 and 2 (tANS, eight states in turn) still decode. A chunk the
+dictionary codes worse than a Huffman code of the chunk's own statistics would
+is written as an ``exphuff`` chunk (the fallback for a dictionary that does
+not fit the model).
 
 ``ctxtans`` alone uses the dictionary kvtool ships; ``ctxtans:FILE.kvd`` or
 ``ctxtans:ID`` names another (``kvtool train`` learns one). The C core does
@@ -26,7 +28,10 @@ import numpy as np
 
 from kvtool import _native
 from kvtool._native import ctxtans_reference as reference
+from kvtool._native.batch import BatchCodec
+from kvtool._native.core_api import CoderModel, NativeCore
 from kvtool._native.ctxtans_tables import TansTables
+from kvtool.codecs.base import Availability
 from kvtool.codecs.dictionary_codec import DictionaryCodec
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import Dictionary
@@ -38,22 +43,26 @@ _tables: dict[str, tuple[TansTables, object]] = {}  # dictionary id -> its table
 
 
 def tables_of(dictionary: Dictionary) -> tuple[TansTables, object]:
-    """A dictionary's tANS tables and the core's copy of them (None without the core), built once per process."""
+    """A dictionary's tables (11-bit models; tANS tables for chunk versions 1 and 2) and the core's copy of them
+    (None without the core), built once per process; the core's kernels use the best instruction set the CPU has
+    within ``KVTOOL_SIMD``."""
     with _tables_lock:
         if dictionary.id not in _tables:
             t = TansTables.of(dictionary.tables)
             core = _native.core()
-            model = None
-            if core is not None:
-                ct = t.coder
-                model = core.ctxtans_model(
-                    t.g.astype("<u2").tobytes(), t.start.astype("<u2").tobytes(), t.symbol.astype(np.uint8).tobytes(),
-                    t.nbits.astype(np.uint8).tobytes(), t.base.astype("<u2").tobytes(), t.encode.astype("<u2").tobytes(),
-                    t.cost.astype("<i4").tobytes(), t.class_cost.astype("<i4").tobytes(), ct.context_of.tobytes(),
-                    ct.start_context, ct.classes, ct.contexts, dictionary.tag,
-                )
-            _tables[dictionary.id] = (t, model)
+            _tables[dictionary.id] = (t, None if core is None else core_model(core, t, dictionary.tag, _native.isa_limit()))
         return _tables[dictionary.id]
+
+
+def core_model(core: NativeCore, t: TansTables, tag: bytes, max_isa: int) -> CoderModel:
+    """The core's copy of the tables, its kernels using no better instruction set than ``max_isa`` (of ``_native.ISAS``)."""
+    ct = t.coder
+    return core.ctxtans_model(
+        t.g.astype("<u2").tobytes(), t.start.astype("<u2").tobytes(), t.symbol.astype(np.uint8).tobytes(),
+        t.nbits.astype(np.uint8).tobytes(), t.base.astype("<u2").tobytes(), t.cost.astype("<i4").tobytes(),
+        t.class_cost.astype("<i4").tobytes(), ct.context_of.tobytes(), ct.start_context, ct.classes, ct.contexts, tag,
+        max_isa,
+    )
 
 
 class CtxTansCodec(DictionaryCodec):
@@ -63,6 +72,13 @@ class CtxTansCodec(DictionaryCodec):
     core_encode, core_decode = "ctxtans_encode", "ctxtans_decode"
     max_tokens = MAX_TOKENS
 
+    @classmethod
+    def available(cls) -> Availability:
+        implementation = _native.status()
+        if _native.core() is not None:
+            implementation += f", {_native.isa_here()} kernels"
+        return Availability(True, implementation=implementation)
+
     def dictionary(self) -> Dictionary:
         """The dictionary this codec codes with (looked up on first use)."""
         return registry.context_models(self.dict)
@@ -70,6 +86,9 @@ class CtxTansCodec(DictionaryCodec):
     def model(self) -> object | None:
         """The core's copy of the dictionary's tables (None without the core): what the batch path codes with."""
         return tables_of(self.dictionary())[1]
+
+    def batch_kernel(self, dtype: np.dtype) -> BatchCodec | None:
+        return BatchCodec.of(dtype, coded=True, model=self.model()) if self.supports(dtype) else None
 
     def _coders(self) -> tuple[Dictionary, object, object | None]:
         dictionary = self.dictionary()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from types import ModuleType
-from typing import ClassVar, cast
+from typing import Callable, ClassVar, cast
 
 import numpy as np
 
@@ -26,6 +26,7 @@ _CORE_ERRORS = {1: "malformed chunk", 3: "the chunk was coded with another dicti
 class DictionaryCodec(NativeArrayCodec):
     params = ("dict",)
     spec_param = "dict"
+    uses_dictionary = True
     #: encode(block, name, tables, tag) and decode(buf, name, shape, tables, tag): the numpy reference.
     reference_module: ClassVar[ModuleType]
     #: The core's functions that encode and decode one chunk with a model.
@@ -46,10 +47,14 @@ class DictionaryCodec(NativeArrayCodec):
         return registry.resolve(arg)
 
     @abc.abstractmethod
+    def dictionary(self) -> Dictionary:
+        """The dictionary this codec codes with (looked up on first use)."""
+
+    @abc.abstractmethod
     def _coders(self) -> tuple[Dictionary, object, object | None]:
         """The dictionary, the tables the reference codes with, and the core's model (None without the core)."""
 
-    def _name(self, dtype: np.dtype, shape) -> str:
+    def _name(self, dtype: np.dtype, shape: tuple[int, ...]) -> str:
         if not self.supports(dtype):
             raise UsageError(f"codec {self.codec_id!r} codes {', '.join(self.families)} tensors, not {np.dtype(dtype)}")
         if len(shape) != 3:
@@ -63,9 +68,10 @@ class DictionaryCodec(NativeArrayCodec):
         dictionary, tables, model = self._coders()
         core = _native.core()
         if core is None or model is None:
-            return self.reference_module.encode(block, name, tables, dictionary.tag)
+            chunk: bytes = self.reference_module.encode(block, name, tables, dictionary.tag)
+            return chunk
         contiguous = np.ascontiguousarray(block)
-        encode = getattr(core, self.core_encode)
+        encode: Callable[..., bytes] = getattr(core, self.core_encode)  # NativeCore.ctxans_encode or ctxtans_encode
         return encode(_native.byte_view(contiguous), model, _native.DTYPE_CODES[name], *block.shape)
 
     def decode_array(self, buf: BufferLike, shape: tuple[int, ...], dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
@@ -80,7 +86,7 @@ class DictionaryCodec(NativeArrayCodec):
             block = self.reference_module.decode(as_memoryview(buf), name, cast(tuple[int, int, int], tuple(shape)), tables, dictionary.tag)
             out.view(f"u{out.itemsize}")[...] = block
             return out
-        decode = getattr(core, self.core_decode)
+        decode: Callable[..., int] = getattr(core, self.core_decode)  # NativeCore.ctxans_decode or ctxtans_decode
         status = decode(as_memoryview(buf), _native.byte_view(out), model, _native.DTYPE_CODES[name], *shape)
         if status:
             raise DecodeError(f"{self.codec_id}: {_CORE_ERRORS.get(status, f'decoder status {status}')}")

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool._native import reference
+from kvtool._native.batch import BatchCodec
 from kvtool.dtypes import dtype_of
 from kvtool.codecs.base import NativeArrayCodec, BufferLike, as_memoryview
 from kvtool.errors import DecodeError, UsageError
@@ -35,6 +36,13 @@ class ExpHuffCodec(NativeArrayCodec):
     families = reference.FAMILIES
     #: The chunk version this id writes; ``decode_array`` refuses another (the core's batch calls read both).
     chunk_version = reference.VERSION
+
+    def batch_kernel(self, dtype: np.dtype) -> BatchCodec | None:
+        return BatchCodec.of(dtype, coded=True, lane=self._lane()) if self.supports(dtype) else None
+
+    def _lane(self) -> int:
+        """Symbols per lane stream (exphuff-lanes); 0: one stream per block."""
+        return 0
 
     def _name(self, dtype: np.dtype) -> str:
         if not self.supports(dtype):

@@ -28,6 +28,7 @@ class ExpHuffLanesCodec(ExpHuffCodec):
     params = ("lane",)
     spec_param = "lane"
     chunk_version = lanes_reference.VERSION
+    gpu_decodes = True
 
     def __init__(self, lane: int = lanes_reference.DEFAULT_LANE):
         lo, hi = lanes_reference.MIN_LANE, lanes_reference.MAX_LANE
@@ -50,6 +51,9 @@ class ExpHuffLanesCodec(ExpHuffCodec):
 
     def _encode_args(self) -> tuple[int, ...]:
         return (self.lane,)
+
+    def _lane(self) -> int:
+        return self.lane
 
     def _reference_encode(self, block: np.ndarray, name: str) -> bytes:
         return lanes_reference.encode(block, name, self.lane)

@@ -57,6 +57,7 @@ class ZstdCodec(Codec):
     codec_id = "zstd"
     params = ("level", "threads", "strategy", *TUNING)
     magic = b"\x28\xb5\x2f\xfd"
+    plane_batch = True  # zstandard releases the GIL while it decompresses
 
     def __init__(
         self,

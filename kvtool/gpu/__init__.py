@@ -1,4 +1,5 @@
-"""GPU decoders (Triton) of kvtool's formats: today exphuff-lanes, straight into paged KV blocks.
+"""GPU decoders (Triton) of kvtool's formats, straight into paged KV blocks: the chunks of codecs that say
+``gpu_decodes`` (today exphuff-lanes).
 
 An optional extra (``pip install kvtool[gpu]``: Triton; torch comes with the
 serving stack). Nothing here is imported by ``import kvtool``. ``status()``
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
-#: The recipe codec whose chunks the GPU decodes.
-GPU_CODECS = ("exphuff-lanes",)
+if TYPE_CHECKING:
+    import torch
 
 
 def interpreted() -> bool:
@@ -36,7 +38,7 @@ def status() -> tuple[bool, str]:
     return True, f"Triton {triton.__version__} on {torch.cuda.get_device_name()}"
 
 
-def dtype_name(dtype) -> str | None:
+def dtype_name(dtype: torch.dtype) -> str | None:
     """kvtool's name of a torch dtype the GPU decoder writes (bf16, fp16, fp32, both fp8), or None."""
     import torch
 
@@ -45,8 +47,3 @@ def dtype_name(dtype) -> str | None:
         if hasattr(torch, attr):
             names[getattr(torch, attr)] = name
     return names.get(dtype)
-
-
-def decodes(recipe) -> bool:
-    """Whether the GPU decoder takes chunks of ``recipe`` (a ``kvtool.recipe.Recipe``)."""
-    return not len(recipe.layouts) and not recipe.plane_codecs and recipe.codec.codec_id in GPU_CODECS

@@ -10,6 +10,7 @@ dim]`` arrays, for tests and benchmarks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ def run_kernels(src: torch.Tensor, batch: Batch, scratch: Scratch, first: int, l
     )
 
 
-def check(status: torch.Tensor, name_of=lambda i: f"chunk {i}") -> None:
+def check(status: torch.Tensor, name_of: Callable[[int], str] = lambda i: f"chunk {i}") -> None:
     """Raise ``DecodeError`` naming the first chunk whose status is not OK (waits for the kernels)."""
     words = status.cpu().numpy()
     bad = np.flatnonzero(words)

@@ -167,7 +167,7 @@ class LayerwiseDecode:
                 self._ready.append(ready)
         self._held += [host, device_bytes, rows_dev]
 
-    def _decode_layer(self, l: int, src: torch.Tensor, batch: Batch, rows, bounds: np.ndarray) -> None:
+    def _decode_layer(self, l: int, src: torch.Tensor, batch: Batch, rows: np.ndarray | torch.Tensor, bounds: np.ndarray) -> None:
         assert self._scratch is not None
         if not isinstance(rows, torch.Tensor):
             rows = torch.from_numpy(rows)

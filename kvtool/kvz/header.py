@@ -9,10 +9,11 @@ a crafted file costs work in proportion to its own size.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 import xxhash
@@ -31,20 +32,22 @@ from kvtool.layouts.base import PlaneSpec
 from kvtool.recipe import Recipe
 
 Tensor = tuple[int, str, tuple[int, int, int]]  # layer id, "k" or "v", [heads, tokens, dim]
+#: The bytes of an index record that the manifest fixes: tensor, plane, token start and count, raw length.
+_MANIFEST_BYTES = np.r_[0:6, 8:16, 32:40]
 
 
 @dataclass(frozen=True, eq=False)
 class Metadata:
-    """What ``read_metadata`` found inside a sound frame: the header's JSON and the index."""
+    """What ``read_metadata`` found inside a sound frame: the header's bytes (checksum verified) and the index."""
 
-    header: dict[str, Any]
+    header: bytes
     index: np.ndarray  # INDEX_DTYPE records, read-only
     data_start: int  # where the chunks begin
     data_end: int  # where the index begins
 
 
 def read_metadata(source: ByteSource, name: str) -> Metadata:
-    """Check the frame of a .kvz (magic, version, trailer, lengths, checksums) and parse its header's JSON."""
+    """Check the frame of a .kvz (magic, version, trailer, lengths, checksums); read its header and index."""
     size = source.size
     if size < PREAMBLE.size + TRAILER.size:
         if size >= 8 and bytes(source.read(0, 8)) != MAGIC:
@@ -73,14 +76,13 @@ def read_metadata(source: ByteSource, name: str) -> Metadata:
     index_bytes = bytes(source.read(index_offset, index_len))
     if xxhash.xxh3_64_intdigest(index_bytes) != index_hash:
         _fail(KvzCorruptError, name, "index checksum mismatch")
-    return Metadata(_header_json(header_bytes, name), np.frombuffer(index_bytes, dtype=INDEX_DTYPE), data_start, index_offset)
+    return Metadata(header_bytes, np.frombuffer(index_bytes, dtype=INDEX_DTYPE), data_start, index_offset)
 
 
 @dataclass(frozen=True, eq=False)
-class KvzHeader:
-    """Everything a reader knows before it decodes a chunk, checked to be consistent."""
+class HeaderFacts:
+    """What a header's bytes say, checked once: shared by every file with the same header."""
 
-    name: str
     chunk_tokens: int
     token_start: int
     tensors: tuple[Tensor, ...]
@@ -90,7 +92,6 @@ class KvzHeader:
     model: ModelFacts
     recipe: Recipe
     lossy: dict[str, Any] | None
-    index: np.ndarray
     num_tokens: int
     layer_ids: tuple[int, ...]
     heads: int
@@ -98,50 +99,41 @@ class KvzHeader:
     #: The recipe's planes for a block of ``chunk_tokens`` tokens and for the last, shorter one.
     block_planes: dict[int, tuple[PlaneSpec, ...]] = field(repr=False)
 
+    @property
+    def chunks_per_tensor(self) -> int:
+        full, rest = divmod(self.num_tokens, self.chunk_tokens)
+        return (full * len(self.block_planes[self.chunk_tokens]) if full else 0) + (len(self.block_planes[rest]) if rest else 0)
+
+
+@dataclass(frozen=True, eq=False)
+class KvzHeader(HeaderFacts):
+    """Everything a reader knows before it decodes a chunk, checked to be consistent: its header's facts, its name
+    and its index."""
+
+    name: str = ""
+    index: np.ndarray = field(default_factory=lambda: np.zeros(0, INDEX_DTYPE), repr=False)
+
     @classmethod
     def validate(cls, meta: Metadata, name: str) -> "KvzHeader":
-        """The header value of a frame ``read_metadata`` accepted, or ``KvzFormatError`` / ``KvzCorruptError``."""
-        header = meta.header
-        if header.get("format") != "kvz" or header.get("version") != VERSION:
-            _fail(KvzFormatError, name, "header does not describe a version-1 .kvz")
-        if header.get("axes") != list(AXES):
-            _fail(KvzFormatError, name, f"unsupported axes {_brief(header.get('axes'))}")
-        chunk_tokens = _int(name, header.get("chunk_tokens"), "chunk_tokens", 1, MAX_CHUNK_TOKENS)
-        token_start = _int(name, header.get("token_start"), "token_start", 0, MAX_TOKEN_START)
-        tensors = tuple(_tensor(name, t) for t in _typed(name, header.get("tensors"), list, "tensors"))
-        provenance = dict(_typed(name, header.get("provenance"), dict, "provenance"))
-        metadata = _typed(name, header.get("metadata", {}), dict, "metadata")
-        if not all(isinstance(v, str) for v in metadata.values()):
-            _fail(KvzFormatError, name, "user metadata must map strings to strings")
+        """The header value of a frame ``read_metadata`` accepted, or ``KvzFormatError`` / ``KvzCorruptError``.
+
+        What the header's bytes say is worked out once per process for each distinct header (``_facts``: the
+        entries of one model and recipe share theirs); the index is checked against it for every file.
+        """
         try:
-            dtype = dtype_of(_typed(name, header.get("dtype"), str, "dtype"))
-            model = ModelFacts.from_dict(_typed(name, header.get("model"), dict, "model"))
-            recipe = Recipe.from_config(header.get("recipe"))
-        except DecodeError:
-            raise
-        except KvtoolError as exc:
-            _fail(KvzFormatError, name, f"header names something this kvtool cannot rebuild: {exc}")
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-            _fail(KvzFormatError, name, f"malformed header ({type(exc).__name__}: {str(exc)[:200]})")
-        heads, num_tokens, dim, layer_ids = _manifest(name, tensors, dtype)
-        lossy = _lossy_marker(name, header.get("lossy"), recipe)
-        block_planes = {
-            tokens: _plan(name, recipe, PlaneSpec("data", (heads, tokens, dim), dtype.numpy))
-            for tokens in {min(chunk_tokens, num_tokens), num_tokens % chunk_tokens} if tokens
-        }
-        value = cls(name, chunk_tokens, token_start, tensors, provenance, dict(metadata), dtype, model, recipe, lossy,
-                    meta.index, num_tokens, layer_ids, heads, dim, block_planes)
-        value._check_index(meta.data_start, meta.data_end)
+            facts = _facts(meta.header)
+        except KvzError as exc:
+            raise type(exc)(f"{name}: {exc}") from None
+        shared = {f.name: getattr(facts, f.name) for f in fields(HeaderFacts)}
+        value = cls(**{**shared, "provenance": dict(facts.provenance), "metadata": dict(facts.metadata)}, name=name,
+                    index=meta.index)
+        value._check_index(meta.data_start, meta.data_end, functools.partial(_index_manifest, facts))
         return value
 
     def planes_for(self, tokens: int) -> tuple[PlaneSpec, ...]:
         """The recipe's planes for a block of ``tokens`` tokens (a whole block or the last one)."""
         return self.block_planes[tokens]
 
-    @property
-    def chunks_per_tensor(self) -> int:
-        full, rest = divmod(self.num_tokens, self.chunk_tokens)
-        return (full * len(self.block_planes[self.chunk_tokens]) if full else 0) + (len(self.block_planes[rest]) if rest else 0)
 
     def first_row(self, tensor: np.ndarray, start: np.ndarray) -> np.ndarray:
         """The index record of the first plane of each block (tensor, first token): records follow the manifest."""
@@ -167,12 +159,13 @@ class KvzHeader:
         layer, kind, _ = self.tensors[int(self.index[row]["tensor"])]
         return cls(f"{self.name}: {message}", chunk=row, layer=layer, kind=kind)
 
-    def _check_index(self, data_start: int, data_end: int) -> None:
+    def _check_index(self, data_start: int, data_end: int, manifest: Callable[[int], np.ndarray]) -> None:
         """Chunks must tile the data region in order and cover every tensor block and plane exactly once.
 
         The number of chunks the manifest implies is computed, not listed, and
         compared with the index first: only then is anything done per chunk,
-        and the index's own length is bounded by the file's.
+        and the index's own length is bounded by the file's. ``manifest(n)`` gives
+        the bytes every index record of ``n`` tensors holds in ``_MANIFEST_BYTES``.
         """
         idx, name = self.index, self.name
         needed = len(self.tensors) * self.chunks_per_tensor if self.num_tokens else 0
@@ -182,34 +175,81 @@ class KvzHeader:
             if data_start != data_end:
                 _fail(KvzCorruptError, name, "chunks do not end where the index begins")
             return
-        if np.any(idx["offset"] > data_end) or np.any(idx["stored_len"] > data_end):
+        offset, length = idx["offset"], idx["stored_len"]
+        if max(int(offset.max()), int(length.max())) > data_end:
             _fail(KvzCorruptError, name, "a chunk lies outside the data region")
         # Offsets and lengths are now below the file size, so these uint64 sums cannot wrap.
-        if idx["offset"][0] != data_start or np.any(idx["offset"][1:] != idx["offset"][:-1] + idx["stored_len"][:-1]):
+        ends = offset + length
+        if offset[0] != data_start or np.any(offset[1:] != ends[:-1]):
             _fail(KvzCorruptError, name, "chunk offsets do not tile the data region")
-        if int(idx["offset"][-1]) + int(idx["stored_len"][-1]) != data_end:
+        if int(ends[-1]) != data_end:
             _fail(KvzCorruptError, name, "chunks do not end where the index begins")
-        expected = []
-        for start in range(0, self.num_tokens, self.chunk_tokens):
-            count = min(self.chunk_tokens, self.num_tokens - start)
-            expected += [(p, start, count, spec.nbytes) for p, spec in enumerate(self.planes_for(count))]
-        one = np.array(expected, dtype=np.int64)
-        want = np.concatenate([np.repeat(np.arange(len(self.tensors), dtype=np.int64), len(one))[:, None],
-                               np.tile(one, (len(self.tensors), 1))], axis=1)
-        got = np.stack([idx["tensor"], idx["plane"], idx["token_start"], idx["token_count"], idx["raw_len"]], axis=1)
-        if not np.array_equal(got.astype(np.int64), want):
+        records = idx.view(np.uint8).reshape(len(idx), INDEX_DTYPE.itemsize)
+        if not np.array_equal(records[:, _MANIFEST_BYTES], manifest(len(self.tensors))):
             _fail(KvzCorruptError, name, "index entries do not match the tensor manifest")
-        raw = (idx["flags"] & FLAG_STORED_RAW) != 0
-        if (
-            np.any(idx["flags"] & ~np.uint16(FLAG_STORED_RAW))
-            or np.any(idx["stored_len"][raw] != idx["raw_len"][raw])
-            or np.any(idx["stored_xxh3"][raw] != idx["raw_xxh3"][raw])
-        ):
+        flags = idx["flags"]
+        raw = flags == FLAG_STORED_RAW
+        if np.any(flags > FLAG_STORED_RAW) or (raw.any() and (
+                np.any(length[raw] != idx["raw_len"][raw]) or np.any(idx["stored_xxh3"][raw] != idx["raw_xxh3"][raw]))):
             _fail(KvzCorruptError, name, "bad chunk flags: a chunk stored raw must have equal stored and raw length and hash")
 
 
+@functools.lru_cache(maxsize=32)
+def _facts(data: bytes) -> HeaderFacts:
+    """Parse and check a header's bytes (messages without the file's name, which the caller adds)."""
+    name = ""
+    header = _header_json(data, name)
+    if header.get("format") != "kvz" or header.get("version") != VERSION:
+        _fail(KvzFormatError, name, "header does not describe a version-1 .kvz")
+    if header.get("axes") != list(AXES):
+        _fail(KvzFormatError, name, f"unsupported axes {_brief(header.get('axes'))}")
+    chunk_tokens = _int(name, header.get("chunk_tokens"), "chunk_tokens", 1, MAX_CHUNK_TOKENS)
+    token_start = _int(name, header.get("token_start"), "token_start", 0, MAX_TOKEN_START)
+    tensors = tuple(_tensor(name, t) for t in _typed(name, header.get("tensors"), list, "tensors"))
+    provenance = dict(_typed(name, header.get("provenance"), dict, "provenance"))
+    metadata = _typed(name, header.get("metadata", {}), dict, "metadata")
+    if not all(isinstance(v, str) for v in metadata.values()):
+        _fail(KvzFormatError, name, "user metadata must map strings to strings")
+    try:
+        dtype = dtype_of(_typed(name, header.get("dtype"), str, "dtype"))
+        model = ModelFacts.from_dict(_typed(name, header.get("model"), dict, "model"))
+        recipe = Recipe.from_config(header.get("recipe"))
+    except DecodeError:
+        raise
+    except KvtoolError as exc:
+        _fail(KvzFormatError, name, f"header names something this kvtool cannot rebuild: {exc}")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        _fail(KvzFormatError, name, f"malformed header ({type(exc).__name__}: {str(exc)[:200]})")
+    heads, num_tokens, dim, layer_ids = _manifest(name, tensors, dtype)
+    lossy = _lossy_marker(name, header.get("lossy"), recipe)
+    block_planes = {
+        tokens: _plan(name, recipe, PlaneSpec("data", (heads, tokens, dim), dtype.numpy))
+        for tokens in {min(chunk_tokens, num_tokens), num_tokens % chunk_tokens} if tokens
+    }
+    return HeaderFacts(chunk_tokens, token_start, tensors, provenance, dict(metadata), dtype, model, recipe, lossy,
+                       num_tokens, layer_ids, heads, dim, block_planes)
+
+
+@functools.lru_cache(maxsize=32)
+def _index_manifest(facts: HeaderFacts, tensors: int) -> np.ndarray:
+    """The bytes ``_MANIFEST_BYTES`` of every index record of a file of ``tensors`` tensors with these facts: the fields
+    the manifest fixes (tensor, plane, token start and count, raw length). Asked for only after an index of as many
+    chunks was read, so a header cannot make a reader list more than its file holds."""
+    chunks = [(p, start, min(facts.chunk_tokens, facts.num_tokens - start), spec.nbytes)
+              for start in range(0, facts.num_tokens, facts.chunk_tokens)
+              for p, spec in enumerate(facts.block_planes[min(facts.chunk_tokens, facts.num_tokens - start)])]
+    one = np.array(chunks, dtype=np.int64).reshape(-1, 4)
+    records = np.zeros(tensors * len(one), INDEX_DTYPE)
+    records["tensor"] = np.repeat(np.arange(tensors), len(one))
+    for column, name in enumerate(("plane", "token_start", "token_count", "raw_len")):
+        records[name] = np.tile(one[:, column], tensors)
+    manifest = records.view(np.uint8).reshape(len(records), INDEX_DTYPE.itemsize)[:, _MANIFEST_BYTES]
+    manifest.flags.writeable = False
+    return manifest
+
+
 def _fail(cls: type[KvzError], name: str, message: str) -> NoReturn:
-    raise cls(f"{name}: {message}")
+    raise cls(f"{name}: {message}" if name else message)
 
 
 def _header_json(data: bytes, name: str) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from kvtool._native.int_batch import STRIDED, VERIFY_CODES, VERIFY_SCALES, Decli
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz.format import FLAG_STORED_RAW, KvzCorruptError
 from kvtool.kvz.header import KvzHeader
-from kvtool.kvz.pipeline import Blocks, Destination, Each, PerChunk, Tensors
+from kvtool.destinations import Destination
+from kvtool.kvz.pipeline import Blocks, PerChunk
 from kvtool.kvz.sources import READ_RUN
 from kvtool.layouts import int_codes
 
@@ -47,7 +48,10 @@ class IntBatch(PerChunk):
                     destination: Destination) -> None:
         h = self.header
         row_bytes = h.dim * h.dtype.itemsize
-        if isinstance(destination, Each):  # a block at a time, through this thread's scratch
+        positions, starts = blocks.position[lo : lo + len(first)], blocks.token[lo : lo + len(first)]
+        arena = destination.array()
+        run = None if arena is not None else destination.rows(positions, starts, tokens)
+        if arena is None and run is None:  # a block at a time, through this thread's scratch
             for i in range(len(first)):
                 n = int(tokens[i])
                 block = self.scratch(n)
@@ -59,23 +63,21 @@ class IntBatch(PerChunk):
                 except Declined:
                     super()._decode_run(data, base, first[i : i + 1], tokens[i : i + 1], blocks, lo + i, destination)
                     continue
-                destination.fn(int(blocks.position[lo + i]), int(blocks.token[lo + i]), block)
+                destination.put(int(positions[i]), int(starts[i]), block)
             return
-        positions, starts = blocks.position[lo : lo + len(first)], blocks.token[lo : lo + len(first)]
         jobs, planes = self._jobs(data, base, first, tokens, blocks, lo)
-        if isinstance(destination, Tensors):  # rows at strides: tensor `position`, tokens from `start`, clipped
-            total = destination.array.shape[2]
+        if arena is not None:  # rows at strides: tensor `position`, tokens from `start`, clipped
+            total = arena.shape[2]
             jobs["flags"] |= STRIDED
             jobs["row_start"] = (positions * h.heads * total + starts) * row_bytes
             jobs["head_stride"] = total * row_bytes
             jobs["token_lo"] = np.maximum(-starts, 0)
             jobs["token_hi"] = np.minimum(tokens, total - starts)
-            targets, rows = [destination.array.reshape(-1).view(np.uint8)], np.zeros(0, np.int64)
+            targets, rows = [arena.reshape(-1).view(np.uint8)], np.zeros(0, np.int64)
         else:
-            listed = [destination.rows[p, :, s : s + n].reshape(-1) for p, s, n in zip(positions, starts, tokens)]
-            jobs["row_start"] = np.cumsum([0] + [len(r) for r in listed[:-1]])
-            jobs["out_index"] = [destination.target_of[p] for p in positions]
-            targets, rows = list(destination.targets), np.concatenate(listed)
+            assert run is not None
+            jobs["row_start"], jobs["out_index"] = run.starts, run.out_index
+            targets, rows = list(run.targets), run.rows
         try:
             self._restore(jobs, planes, first, rows, targets)
         except Declined:  # the whole run again, per chunk: what the batch wrote is written again, the same

@@ -1,21 +1,15 @@
 """The chunk pipeline: how a reader turns selected token blocks into their destination.
 
-As zarr's ``BatchedCodecPipeline``, it is chosen once, when a reader opens, from
-the recipe (``kvtool.kvz.reader.pipeline_for``): the native batch (the core
-verifies and decodes many chunks per call: ``exphuff`` and ``none`` here, the
-``int`` stage with zstd in ``kvtool.kvz.int_pipeline``) or per chunk (any recipe: the
-codecs, then the layout chain's inverse writing into the destination through
-``decode_array(out=)`` and ``inverse_into``). Both take one ``decode(blocks,
-destination)``, where the destination is
-
-``Tensors``
-    a preallocated ``[n, heads, tokens, dim]`` array (``read``);
-``Rows``
-    byte offsets of each (tensor, head, token) row in flat byte arrays, such as
-    an engine's paged KV blocks (``read_rows``);
-``Each``
-    a function handed each decoded block (``verify --full`` and streaming writers),
-    on the thread that decoded it: memory bounded by one block per thread.
+As zarr's ``BatchedCodecPipeline``, it is chosen once, when a reader opens, by
+asking the recipe's stages what they can do (``kvtool.kvz.reader.pipeline_for``):
+the native batch (the core verifies and decodes many chunks per call: a codec
+with a ``batch_kernel``, or the ``int`` stage's in ``kvtool.kvz.int_pipeline``) or
+per chunk (any recipe: the codecs, then the layout chain's inverse writing into
+the destination through ``decode_array(out=)`` and ``inverse_into``). Both take
+one ``decode(blocks, destination)``; the destination (``kvtool.destinations``)
+says how its bytes are addressed: one array, rows at offsets, or blocks handed
+over one at a time. A destination that decodes a recipe's stored chunks itself
+(GPU pages) gets them, each chunk's checksum verified, instead.
 
 The native batch fetches blocks in runs of about ``READ_RUN`` stored bytes, the
 per-chunk pipeline one block at a time, so memory beyond the destination is a
@@ -29,13 +23,13 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar, Union
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
 from kvtool._native import xxh3_64
 from kvtool._native.batch import BatchCodec, ChunkDecodeError, Chunks
-from kvtool._native.batch import place_rows as native_place_rows
+from kvtool.destinations import Destination, StoredChunks
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz.format import FLAG_STORED_RAW, KvzCorruptError
 from kvtool.kvz.header import KvzHeader
@@ -60,26 +54,6 @@ class Blocks:
     token: np.ndarray
 
 
-@dataclass(frozen=True)
-class Tensors:
-    array: np.ndarray  # [n, heads, tokens, dim], C-contiguous
-
-
-@dataclass(frozen=True)
-class Rows:
-    targets: Sequence[np.ndarray]  # flat writable uint8 arrays
-    rows: np.ndarray  # [n, heads, tokens] byte offsets (int64); negative: left out
-    target_of: Sequence[int]  # destination tensor -> its target
-
-
-@dataclass(frozen=True)
-class Each:
-    fn: Callable[[int, int, np.ndarray], None]  # (position, token, block [heads, tokens, dim]), on the decoding thread
-
-
-Destination = Union[Tensors, Rows, Each]
-
-
 class ChunkPipeline(abc.ABC):
     #: Blocks are fetched in runs of about this many stored bytes (one block at least).
     run_bytes = READ_RUN
@@ -93,12 +67,19 @@ class ChunkPipeline(abc.ABC):
         """Verify and decode ``blocks`` into ``destination``, runs of blocks on ``threads`` workers."""
         h = self.header
         first, tokens, planes = h.block_rows(blocks.tensor, blocks.start)
+        if destination.takes_stored(h.recipe):
+            destination.put_stored(self._stored(source, blocks, first, tokens))
+            return
         last = first + planes - 1
         begin = h.index["offset"][first].astype(np.int64)
         end = (h.index["offset"][last] + h.index["stored_len"][last]).astype(np.int64)
-        runs = _runs(begin, end, self.run_bytes)
         if len(tokens) and int(tokens.max()) * h.heads * h.dim * h.dtype.itemsize > LARGE_BLOCK:
             threads = 1  # one such block in flight, not one per worker: memory stays at the destination and a block
+        workers = threads or os.cpu_count() or 1
+        limit = self.run_bytes
+        if workers > 1 and limit and len(begin):  # several workers share even one entry: a run each at least
+            limit = min(limit, max(1, -(-int(end.max() - begin.min()) // workers)))
+        runs = _runs(begin, end, limit)
 
         def run(span: tuple[int, int]) -> int:
             lo, hi = span
@@ -115,6 +96,24 @@ class ChunkPipeline(abc.ABC):
     def _decode_run(self, data: Buffer, base: int, first: np.ndarray, tokens: np.ndarray, blocks: Blocks, lo: int,
                     destination: Destination) -> None:
         """Decode blocks ``lo..lo + len(first)``, whose stored bytes are ``data`` (from file offset ``base``)."""
+
+    def _stored(self, source: ByteSource, blocks: Blocks, first: np.ndarray, tokens: np.ndarray) -> StoredChunks:
+        """The blocks' chunks (one plane each: a recipe whose chunks a destination decodes itself has no layouts), read
+        in one run and each checked against its stored checksum: the only pass over their bytes on the host."""
+        h = self.header
+        entries = h.index[first]
+        offset = entries["offset"].astype(np.int64)
+        length = entries["stored_len"].astype(np.int64)
+        base = int(offset.min()) if len(offset) else 0
+        end = int((offset + length).max()) if len(offset) else 0
+        data = np.frombuffer(source.read(base, end - base), np.uint8)
+        offset -= base
+        for i, (at, n) in enumerate(zip(offset.tolist(), length.tolist())):
+            if xxh3_64(data[at : at + n]) != int(entries["stored_xxh3"][i]):
+                row = int(first[i])
+                raise h.chunk_error(KvzCorruptError, row, f"checksum mismatch in {h.describe(row)}")
+        return StoredChunks(data, blocks.position, blocks.token, offset, length, tokens.astype(np.int64),
+                            (entries["flags"] & FLAG_STORED_RAW) != 0, h.heads, h.dim, h.dtype.name)
 
     def scratch(self, tokens: int) -> np.ndarray:
         """A C-contiguous ``[heads, tokens, dim]`` block this thread reuses."""
@@ -136,16 +135,16 @@ class NativeBatch(ChunkPipeline):
                     destination: Destination) -> None:
         h, hi = self.header, lo + len(first)
         entries = h.index[first]
+        positions, starts = blocks.position[lo:hi], blocks.token[lo:hi]
         try:
-            if isinstance(destination, Tensors):
-                self.batch.decode(data, _chunks(entries, base, blocks.position[lo:hi], blocks.token[lo:hi]), destination.array)
-            elif isinstance(destination, Rows):
-                ordered = [destination.rows[p, :, t : t + n].reshape(-1)
-                           for p, t, n in zip(blocks.position[lo:hi], blocks.token[lo:hi], tokens)]
-                starts = np.cumsum([0] + [len(r) for r in ordered[:-1]])
-                out_index = np.array([destination.target_of[p] for p in blocks.position[lo:hi]], dtype=np.int64)
-                self.batch.decode_rows(data, _chunks(entries, base, out_index, np.zeros(len(first), np.int64)), starts,
-                                       np.concatenate(ordered), list(destination.targets), h.heads, h.dim)
+            arena = destination.array()
+            run = None if arena is not None else destination.rows(positions, starts, tokens)
+            if arena is not None:
+                self.batch.decode(data, _chunks(entries, base, positions, starts), arena)
+            elif run is not None:
+                zero = np.zeros(len(first), np.int64)
+                self.batch.decode_rows(data, _chunks(entries, base, run.out_index, zero), run.starts, run.rows,
+                                       list(run.targets), h.heads, h.dim)
             else:
                 zero = np.zeros(1, np.int64)
                 for i in range(len(first)):
@@ -154,7 +153,7 @@ class NativeBatch(ChunkPipeline):
                         self.batch.decode(data, _chunks(entries[i : i + 1], base, zero, zero), block[None])
                     except ChunkDecodeError as exc:
                         raise ChunkDecodeError(str(exc), i, exc.reason) from None
-                    destination.fn(int(blocks.position[lo + i]), int(blocks.token[lo + i]), block)
+                    destination.put(int(positions[i]), int(starts[i]), block)
         except ChunkDecodeError as exc:
             row = int(first[exc.job])
             message = f"checksum mismatch in {h.describe(row)}" if exc.reason == "checksum" else f"{h.describe(row)} {exc}"
@@ -169,8 +168,8 @@ def _chunks(entries: np.ndarray, base: int, out_index: np.ndarray, block_start: 
 
 class PerChunk(ChunkPipeline):
     """Any recipe: each block's planes through their codecs, then the layout chain's inverse into the
-    destination (or a block-sized scratch this thread reuses, where the destination is not one
-    C-contiguous block). Blocks are fetched one at a time: Python's work per block
+    destination's own memory for the block (``view``), or into a block-sized scratch this thread reuses,
+    then handed to it (``put``). Blocks are fetched one at a time: Python's work per block
     dwarfs a read, and memory beyond the destination stays at about one block."""
 
     run_bytes = 0
@@ -179,38 +178,16 @@ class PerChunk(ChunkPipeline):
                     destination: Destination) -> None:
         for i, (row, n) in enumerate(zip(first.tolist(), tokens.tolist())):
             position, token = int(blocks.position[lo + i]), int(blocks.token[lo + i])
-            target = self._target(destination, position, token, n)
+            target = destination.view(position, token, n)
             out = target if target is not None else self.scratch(n)
             layer, kind, _ = self.header.tensors[int(blocks.tensor[lo + i])]
             self.decode_block(data, base, row, n, layer, kind, out)
             if target is not None:
                 continue
-            if isinstance(destination, Tensors):
-                arena = destination.array
-                start, stop = max(token, 0), min(token + n, arena.shape[2])
-                arena[position, :, start:stop] = out[:, start - token : stop - token]
-            elif isinstance(destination, Rows):
-                flat = destination.targets[destination.target_of[position]].reshape(-1).view(np.uint8)
-                offsets = destination.rows[position, :, token : token + n].reshape(-1)
-                try:
-                    placed = native_place_rows(out, offsets, flat)
-                except ChunkDecodeError:
-                    raise self.header.chunk_error(KvzCorruptError, row, f"{self.header.describe(row)} does not fit its destination") from None
-                if not placed:
-                    place_rows(flat, offsets, out.reshape(-1, self.header.dim).view(np.uint8))
-            else:
-                destination.fn(position, token, out)
-
-    @staticmethod
-    def _target(destination: Destination, position: int, token: int, n: int) -> np.ndarray | None:
-        """The destination's own memory for the block, where it is one C-contiguous block."""
-        if not isinstance(destination, Tensors):
-            return None
-        arena = destination.array
-        if token < 0 or token + n > arena.shape[2]:
-            return None
-        view = arena[position, :, token : token + n]
-        return view if view.flags.c_contiguous else None
+            try:
+                destination.put(position, token, out)
+            except ChunkDecodeError:
+                raise self.header.chunk_error(KvzCorruptError, row, f"{self.header.describe(row)} does not fit its destination") from None
 
     def decode_block(self, data: Buffer, base: int, row: int, tokens: int, layer: int, kind: str, out: np.ndarray) -> None:
         """Verify and decode the block whose first plane is index record ``row`` into ``out``."""
@@ -252,24 +229,10 @@ class PerChunk(ChunkPipeline):
             raise h.chunk_error(KvzCorruptError, row, f"{h.describe(row)} does not decode: {exc}") from None
 
 
-def place_rows(flat: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> None:
-    """Row ``i`` of ``rows`` to byte offset ``offsets[i]`` of ``flat``; a negative offset leaves it out.
-
-    Offsets that are all whole rows apart (an engine's paged blocks are) move a
-    row per index; others move a byte per index, eight times the memory.
-    """
-    kept = offsets >= 0
-    if not kept.all():
-        offsets, rows = offsets[kept], rows[kept]
-    row_bytes = rows.shape[1]
-    if row_bytes and not (offsets % row_bytes).any():
-        flat[: flat.size // row_bytes * row_bytes].reshape(-1, row_bytes)[offsets // row_bytes] = rows
-    else:
-        flat[offsets[:, None] + np.arange(row_bytes)] = rows
-
-
 def _runs(begin: np.ndarray, end: np.ndarray, limit: int) -> list[tuple[int, int]]:
     """Split blocks sorted by offset into ``(lo, hi)`` runs of adjacent blocks of about ``limit`` bytes."""
+    if len(begin) and int(end[-1] - begin[0]) <= limit and not np.any(begin[1:] != end[:-1]):
+        return [(0, len(begin))]  # all adjacent, all within the limit: one run (a whole entry's read)
     runs, lo, size = [], 0, 0
     for i in range(len(begin)):
         adjacent = i == lo or begin[i] == end[i - 1]

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from kvtool._native import xxh3_64
-from kvtool._native.batch import BatchCodec
-from kvtool._native.int_batch import IntBatchCodec
 from kvtool.cache import KVCache
+from kvtool.destinations import Arena, Destination, EachBlock, Rows
 from kvtool.dtypes import DType
 from kvtool.errors import UsageError
 from kvtool.facts import ModelFacts
@@ -21,7 +20,7 @@ from kvtool.kvz.format import (
 )
 from kvtool.kvz.header import KvzHeader, Tensor, read_metadata
 from kvtool.kvz.int_pipeline import IntBatch
-from kvtool.kvz.pipeline import Blocks, ChunkPipeline, Destination, Each, NativeBatch, PerChunk, Rows, Tensors
+from kvtool.kvz.pipeline import Blocks, ChunkPipeline, NativeBatch, PerChunk
 from kvtool.kvz.sources import Buffer, ByteSource, BytesSource, FileSource
 from kvtool.layouts.base import PlaneSpec
 from kvtool.recipe import Recipe
@@ -147,11 +146,14 @@ class KvzReader:
     # -- selecting chunks --------------------------------------------------------------------------
     def selection(self, layers: Sequence[int] | None) -> tuple[list[int], list[int]]:
         """The layer ids asked for, and the manifest tensors (K then V of each) they read."""
-        wanted = self.layer_ids if layers is None else list(layers)
-        missing = [layer for layer in wanted if layer not in self.header.layer_ids]
+        if layers is None:
+            return self.layer_ids, list(range(2 * len(self.header.layer_ids)))
+        wanted = list(layers)
+        where = {layer: i for i, layer in enumerate(self.header.layer_ids)}
+        missing = [layer for layer in wanted if layer not in where]
         if missing:
             raise UsageError(f"{self.name}: no layers {missing} (it holds {self.layer_ids})")
-        return wanted, [2 * self.header.layer_ids.index(layer) + kv for layer in wanted for kv in (0, 1)]
+        return wanted, [2 * where[layer] + kv for layer in wanted for kv in (0, 1)]
 
     def _blocks(self, tensors: Sequence[int], start: int, stop: int) -> Blocks:
         """The blocks of ``tensors`` that hold tokens ``start..stop``, in file order, after checking their
@@ -229,7 +231,7 @@ class KvzReader:
         h = self.header
         with self._memory_bounded(f"allocating {len(positions)} tensors of {stop - start} tokens"):
             arena = np.empty((len(positions), h.heads, stop - start, h.dim), self.dtype.numpy)
-        self._decode(blocks, Tensors(arena), threads, on_progress)
+        self._decode(blocks, Arena(arena), threads, on_progress)
         tensors = list(arena)
         return KVCache(
             tensors[0::2], tensors[1::2], self.model, dict(self.provenance),
@@ -239,26 +241,27 @@ class KvzReader:
     def read_rows(self, targets: list[np.ndarray], rows: np.ndarray, target_of: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """Decode ``layers`` (all by default) into other memory, row by row: row (head h, token t) of the
         i-th tensor read (K then V of each layer) goes to byte offset ``rows[i, h, t]`` of the flat byte
-        array ``targets[target_of[i]]``; a negative offset leaves that row out.
+        array ``targets[target_of[i]]``; a negative offset leaves that row out (``kvtool.destinations.Rows``).
 
         For destinations laid out otherwise than ``[heads, tokens, dim]``, such as an engine's paged
         KV blocks: each chunk goes from the stored bytes to its rows, through at most one block-sized
         buffer, with no intermediate cache. Offsets are checked against the targets before a byte is
         written.
         """
+        self.read_into(Rows(targets, rows, target_of), layers)
+
+    def read_into(self, destination: Destination, layers: Sequence[int] | None = None, tokens: slice | None = None,
+                  threads: int | None = 1) -> None:
+        """Decode ``layers`` (all by default) and a token range into ``destination``, which first says whether it can
+        hold them (``Destination.fit``): the one way a restore writes into memory it does not own."""
+        start, stop = token_range(tokens, self.num_tokens)
         _, positions = self.selection(layers)
         h = self.header
-        if rows.shape != (len(positions), h.heads, self.num_tokens) or len(target_of) != len(positions):
-            raise UsageError(f"{self.name}: rows must be [{len(positions)}, {h.heads}, {self.num_tokens}] offsets")
-        row_bytes = h.dim * self.dtype.itemsize
-        for i, target in enumerate(target_of):
-            if not 0 <= target < len(targets):
-                raise UsageError(f"{self.name}: tensor {i} names target {target}, of {len(targets)}")
-            if rows.size and rows[i].max() > targets[target].nbytes - row_bytes:
-                raise UsageError(f"{self.name}: row offsets fall outside their target")
-        blocks = self._blocks(positions, 0, self.num_tokens)
-        flat = [t.reshape(-1).view(np.uint8) for t in targets]
-        self._decode(blocks, Rows(flat, rows, target_of), threads=1)
+        try:
+            destination.fit(len(positions), h.heads, stop - start, h.dim * self.dtype.itemsize)
+        except UsageError as exc:
+            raise UsageError(f"{self.name}: {exc}") from None
+        self._decode(self._blocks(positions, start, stop), destination, threads)
 
     def iter_blocks(self, fn: Callable[[int, int, np.ndarray], None], layers: Sequence[int] | None = None,
                     tokens: slice | None = None, threads: int | None = 1,
@@ -270,7 +273,7 @@ class KvzReader:
         Memory stays at a block per thread whatever the file's size: how a writer streams a cache."""
         start, stop = token_range(tokens, self.num_tokens)
         _, positions = self.selection(layers)
-        self._decode(self._blocks(positions, start, stop), Each(fn), threads, on_progress)
+        self._decode(self._blocks(positions, start, stop), EachBlock(fn), threads, on_progress)
 
     def verify(self, full: bool = False, on_progress: Callable[[int], None] | None = None) -> None:
         """Check every chunk's checksum; with ``full``, also decode every chunk exactly as a read does
@@ -309,13 +312,14 @@ class KvzReader:
 
 
 def pipeline_for(header: KvzHeader) -> ChunkPipeline:
-    """The native batch where the core implements the recipe on this dtype (the lossless coders, or the ``int``
-    stage with zstd), else per chunk."""
-    batch = BatchCodec.for_recipe(header.recipe, header.dtype.numpy)
+    """The native batch where the recipe's stages offer one on this dtype (a codec's batch kernel, or the ``int``
+    stage's over zstd planes), else per chunk."""
+    dtype = header.dtype.numpy
+    batch = header.recipe.batch_kernel(dtype)
     if batch is not None:
         return NativeBatch(header, batch)
-    lossy = IntBatchCodec.for_recipe(header.recipe, header.dtype.numpy)
-    return IntBatch(header, lossy) if lossy is not None else PerChunk(header)
+    stage = header.recipe.stage_kernel(dtype)
+    return IntBatch(header, stage) if stage is not None else PerChunk(header)
 
 
 def _discard(tensor: int, token: int, block: np.ndarray) -> None:

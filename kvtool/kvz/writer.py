@@ -92,7 +92,7 @@ def write_cache(
         out.write(PREAMBLE.pack(MAGIC, VERSION, len(header)))
         out.write(header)
         offset = PREAMBLE.size + len(header)
-        batch = BatchCodec.for_recipe(recipe, cache.dtype.numpy)
+        batch = recipe.batch_kernel(cache.dtype.numpy)
         if batch is not None:
             offset = _write_tensors(out, tensors, batch, chunk_tokens, threads, offset, records, on_progress)
         else:

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvtool._native.int_batch import IntBatchCodec
 from kvtool.dtypes import DTYPES
 from kvtool.component import Component
 from kvtool.errors import DecodeError, UsageError
@@ -93,6 +94,11 @@ class Layout(Component, abc.ABC):
         that depends on where its block lies says so itself.
         """
         return self
+
+    def batch_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
+        """The native kernel that restores runs of blocks of this layout, alone in its recipe, straight into a
+        destination's rows from its planes (decoded by codecs that ``plane_batch``), or None: most layouts have none."""
+        return None
 
     def axis_after(self, axis: int) -> int:
         """Where axis ``axis`` (negative, counted from the end) of an input plane lies in the outputs.

@@ -45,8 +45,8 @@ class BytePlane(PlaneWiseLayout):
 
     def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
         bits_type = bits_dtype(self.layout_id, spec.dtype)
-        if bits_type.itemsize == 1:
-            np.copyto(out.view(np.uint8), planes[0])
+        if bits_type.itemsize == 1:  # the plane passed through with its own type (fp8): copy its bits
+            np.copyto(out.view(np.uint8), planes[0].view(np.uint8))
         else:
             self._join(planes, out.view(bits_type))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvtool.cache import DTYPES, dtype_of
+from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import LossyLayout, choice_param, finite_values, int_param, rounding_bound
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from kvtool import _native
 from kvtool.errors import DecodeError, UsageError
-from kvtool.modeldict.ctxans_reference import read_repeats, read_varint, repeat_section, repeated_rows, varint
+from kvtool.repeats import read_repeats, read_varint, repeat_section, repeated_rows, varint
 
 PROB_BITS = 12
 TOTAL = 1 << PROB_BITS
@@ -85,7 +85,8 @@ def encode(packed: np.ndarray, shape: tuple[int, ...], bits: int, size: int) -> 
     packed = np.ascontiguousarray(packed[:used])
     if core is not None:
         plane = np.zeros(size, np.uint8)
-        if core.int_codes_encode(packed, plane, *shape, bits) == 0:
+        heads, tokens, dim = shape
+        if core.int_codes_encode(packed, plane, heads, tokens, dim, bits) == 0:
             return plane
     return reference_encode(packed, shape, bits, size)
 
@@ -96,7 +97,8 @@ def decode(plane: np.ndarray, shape: tuple[int, ...], bits: int) -> np.ndarray:
     if core is None:
         return reference_decode(plane, shape, bits)
     packed = np.zeros(-(-int(np.prod(shape)) * bits // 8), np.uint8)
-    status = core.int_codes_decode(np.ascontiguousarray(plane), packed, *shape, bits)
+    heads, tokens, dim = shape
+    status = core.int_codes_decode(np.ascontiguousarray(plane), packed, heads, tokens, dim, bits)
     if status:
         raise DecodeError(f"int codes plane: {REASONS.get(status, f'status {status}')}")
     return packed
@@ -148,7 +150,7 @@ def reference_decode(plane: np.ndarray, shape: tuple[int, ...], bits: int) -> np
         if len(data) < 1 + used:
             raise DecodeError(f"int codes plane: {REASONS[2]}")
         end = 1 + used
-        packed = np.frombuffer(data, np.uint8, used, 1).copy()
+        packed: np.ndarray = np.frombuffer(data, np.uint8, used, 1).copy()
         if used and bits * count % 8 and packed[-1] & (0xFF >> (bits * count % 8)):
             raise DecodeError(f"int codes plane: {REASONS[5]}")  # bits past the last code
     else:

@@ -57,7 +57,8 @@ import math
 import numpy as np
 
 from kvtool import _native
-from kvtool.cache import DTYPES, dtype_of
+from kvtool._native.int_batch import IntBatchCodec
+from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts import int_codes
 from kvtool.layouts.base import PlaneSpec, child_name
@@ -121,6 +122,9 @@ class IntQuant(KindAxes, LossyLayout):
             bound._bits = self.kind_bits(kind)
         return bound
 
+    def batch_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
+        return IntBatchCodec.of(dtype, self.group)
+
     @property
     def code_bits(self) -> int:
         """The width of this tensor's codes; known once bound to a kind and a layer, or when all tensors share it."""
@@ -175,9 +179,10 @@ class IntQuant(KindAxes, LossyLayout):
         codes_spec, scales_spec = self.plan_plane(PlaneSpec.of(plane))
         codes, scales = np.zeros(codes_spec.shape, np.uint8), np.empty(scales_spec.shape, np.float16)
         used = -(-plane.size * self.code_bits // 8)  # a narrower tensor's codes leave the plane's tail zero
+        heads, tokens, dim = plane.shape
         status = core.int_quant(_native.byte_view(np.ascontiguousarray(plane)), codes[:used], scales.view(np.uint16),
-                                _native.DTYPE_CODES[name], *plane.shape, self.code_bits, self.axis == "channel", self.group,
-                                scales.shape[1])
+                                _native.DTYPE_CODES[name], heads, tokens, dim, self.code_bits, self.axis == "channel",
+                                self.group, scales.shape[1])
         return [codes, scales] if status == 0 else None
 
     def reference_forward(self, plane: np.ndarray) -> list[np.ndarray]:

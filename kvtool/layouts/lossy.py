@@ -28,11 +28,13 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, cast
 import numpy as np
 
 from kvtool._native.int_batch import error_stats
-from kvtool.cache import DTYPES, DType, dtype_of
+from kvtool.dtypes import DTYPES, DType, dtype_of
 from kvtool.errors import UsageError
 from kvtool.layouts.base import PlaneSpec, PlaneWiseLayout, check_planes, dtype_name
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from kvtool.layouts.chain import LayoutChain
 
 #: The dtypes a lossy stage takes: floats wide enough to be worth shrinking.
@@ -52,7 +54,7 @@ class KeywordSpec:
     param_types: ClassVar[dict[str, Callable[[str], Any]]] = {}
 
     @classmethod
-    def from_spec_arg(cls, arg: str):
+    def from_spec_arg(cls, arg: str) -> Self:
         kwargs: dict[str, Any] = {}
         for position, part in enumerate(p.strip() for p in arg.split(",")):
             name, eq, text = (s.strip() for s in part.partition("="))
@@ -170,7 +172,8 @@ def ulp(magnitude: np.ndarray, exponent_bits: int, mantissa_bits: int) -> np.nda
     """The spacing of a binary float format's values at each ``magnitude`` (subnormals included), as float64."""
     min_exponent = 2 - (1 << (exponent_bits - 1))
     _, exponent = np.frexp(np.abs(magnitude))  # |m| = f * 2**exponent with f in [0.5, 1)
-    return np.ldexp(1.0, np.maximum(exponent - 1, min_exponent) - mantissa_bits)
+    spacing: np.ndarray = np.ldexp(1.0, np.maximum(exponent - 1, min_exponent) - mantissa_bits)
+    return spacing
 
 
 def rounding_bound(magnitude: np.ndarray, dtype: DType) -> np.ndarray:
@@ -187,7 +190,7 @@ def int_param(layout_id: str, name: str, value: Any, lo: int, hi: int) -> int:
 def choice_param(layout_id: str, name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise UsageError(f"layout {layout_id!r}: {name} must be one of {', '.join(choices)}, not {value!r}")
-    return value
+    return cast(str, value)
 
 
 class ErrorTally:

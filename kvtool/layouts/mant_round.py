@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtool.cache import dtype_of
+from kvtool.dtypes import dtype_of
 from kvtool.layouts.base import PlaneSpec
 from kvtool.layouts.lossy import LossyLayout, finite_values, int_param, ulp
 

@@ -46,7 +46,7 @@ import math
 import numpy as np
 
 from kvtool import _native
-from kvtool.cache import DTYPES, dtype_of
+from kvtool.dtypes import DTYPES, dtype_of
 from kvtool.errors import DecodeError, UsageError
 from kvtool.layouts.base import PlaneSpec, child_name, dtype_name
 from kvtool.layouts.lossy import LOSSY_INPUTS, KindAxes, SideChannel, choice_param

@@ -65,6 +65,7 @@ class Pca(LossyLayout):
     spec_param = "dict"
     param_types = {"dict": registry.resolve, "step": _float, "kstep": _float, "vstep": _float, "bits": _float,  # noqa: RUF012 - a ClassVar
                    "sink": int, "recent": int}
+    _coders: dict[tuple[str, int], ref.Tensor]  # annotated here: __init__'s parameter ``dict`` hides the builtin
 
     def __init__(self, dict: str = "", step: float = 0.0, kstep: float = 0.0, vstep: float = 0.0, bits: float = 0.0,
                  sink: int = 4, recent: int = 0):
@@ -82,8 +83,11 @@ class Pca(LossyLayout):
         self.recent = int_param(self.layout_id, "recent", recent, 0, MAX_TOKENS)
         self._kind: str | None = None
         self._layer: int | None = None
-        self._position, self._end = 0, None  # set by for_block: where the block lies in its sequence
-        self._shared = {"lock": threading.Lock(), "tensors": {}}  # the coders of each tensor, shared with bound copies
+        self._position = 0  # set by for_block: where the block lies in its sequence
+        self._end: int | None = None
+        # the coders of each tensor, shared with bound copies (copy.copy keeps the lock and the dict)
+        self._lock = threading.Lock()
+        self._coders = {}
 
     def spec(self) -> str:
         parts = [self.dict] + [f"{name}={getattr(self, name)}" for name in self.params[1:]
@@ -117,12 +121,12 @@ class Pca(LossyLayout):
             raise UsageError(f"layout {self.spec()!r} codes each tensor with its own basis: bind it with for_kind(kind, layer) "
                              "(a .kvz recipe does)")
         key = (self._kind, self._layer)
-        with self._shared["lock"]:
-            found = self._shared["tensors"].get(key)
+        with self._lock:
+            found = self._coders.get(key)
         if found is None:
             found = _coder(self.dictionary(), self._layer, self._kind, self._relative_step(self._kind))
-            with self._shared["lock"]:
-                self._shared["tensors"][key] = found
+            with self._lock:
+                self._coders[key] = found
         if block is not None and (block.shape[0], block.shape[2]) != (found.heads, found.dim):
             raise UsageError(f"layout {self.layout_id!r}: dictionary {self.dict[:8]} was learnt from "
                              f"{self.dictionary().describe()}; these blocks are {block.shape[0]} KV heads x "
@@ -181,7 +185,8 @@ class Pca(LossyLayout):
     def inverse_plane_into(self, planes: list[np.ndarray], spec: PlaneSpec, out: np.ndarray) -> None:
         tensor, core = self.tensor(spec), _native.core()
         if core is None or tensor.native is None:
-            np.copyto(out, ref.decode(planes[0], tensor, spec.shape, spec.dtype))
+            heads, tokens, dim = spec.shape
+            np.copyto(out, ref.decode(planes[0], tensor, (heads, tokens, dim), spec.dtype))
             return
         status = core.pca_decode(np.ascontiguousarray(planes[0]), _native.byte_view(out), tensor.native,
                                  _native.DTYPE_CODES[dtype_of(spec.dtype).name], spec.shape[1])

@@ -15,7 +15,7 @@ makes; the class model counts those choices.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -107,7 +107,8 @@ def train_basis(
     if components is not None and components < 1:
         raise UsageError(f"components must be at least 1, not {components}")
     moments: dict[tuple[int, str], _Moments] = {}
-    sources, facts, shape, frequencies = [], {}, None, None
+    sources, shape, frequencies = [], None, None
+    facts: dict[str, Any] = {}
     for cache in caches:
         if not cache.num_layers or not cache.num_tokens:
             continue

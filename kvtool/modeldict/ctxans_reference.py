@@ -30,10 +30,10 @@ from kvtool.modeldict import rans
 from kvtool.modeldict.format import (
     LEVELS, LOW, MAX_CLASSES, MAX_CONTEXTS, PROB_BITS, REF_SYMBOLS, SYMBOLS, CoderTables,
 )
+from kvtool.repeats import FLAG_REPEATS, read_repeats, repeat_section, repeated_rows
 
 VERSION = 1
 HEAD = struct.Struct("<BB4sHII")  # version, flags, dictionary tag, base reference, escapes, rANS bytes
-FLAG_REPEATS = 1
 STATES = 16
 RANS_LOW = rans.LOW
 #: The most tokens a block may hold (the core's sums stay within 32 bits).
@@ -94,31 +94,6 @@ def symbols(sign: np.ndarray, level: np.ndarray, refs: np.ndarray) -> np.ndarray
     return sign * LEVELS + np.where((q >= 1) & (q < LEVELS), q, 0)
 
 
-def repeated_rows(bits: np.ndarray) -> np.ndarray:
-    """For each row ``[tokens, heads]``, how many tokens back its nearest earlier equal row of the head is (0: none)."""
-    heads, tokens, _ = bits.shape
-    back = np.zeros((tokens, heads), np.int64)
-    for h in range(heads):
-        last: dict[bytes, int] = {}
-        for t in range(tokens):
-            row = bits[h, t].tobytes()
-            if row in last:
-                back[t, h] = t - last[row]
-            last[row] = t
-    return back
-
-
-def varint(value: int) -> bytes:
-    """``value`` as an unsigned LEB128 varint (7 bits a byte, low first, the high bit set on all but the last)."""
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
 def _pack_bits(values: np.ndarray, width: int) -> bytes:
     """``values`` (each < 2**width) as an LSB-first bit stream, zero padded to a byte."""
     if not len(values) or not width:
@@ -127,11 +102,6 @@ def _pack_bits(values: np.ndarray, width: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def _unpack_bits(data: bytes, count: int, width: int) -> np.ndarray:
-    if not count or not width:
-        return np.zeros(count, np.int64)
-    bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")[: count * width].astype(np.int64)
-    return (bits.reshape(count, width) << np.arange(width)).sum(axis=1)
 
 
 @dataclass(frozen=True)
@@ -187,15 +157,6 @@ def side_information(classes: np.ndarray, refs: np.ndarray, tables: CoderTables)
     return base, side_syms, side_models, escapes
 
 
-def repeat_section(back: np.ndarray, coded_rows: np.ndarray) -> tuple[int, bytes]:
-    """The chunk's flags and repeat section: a bitmap of the repeated rows, then each one's distance."""
-    if coded_rows.all():
-        return 0, b""
-    bitmap = np.packbits(~coded_rows.reshape(-1), bitorder="little").tobytes()
-    body = bitmap + b"".join(varint(int(b) - 1) for b in back[~coded_rows])
-    return FLAG_REPEATS, struct.pack("<I", len(body)) + body
-
-
 class Escapes:
     """A chunk's escape list, handed out in order; ``finish`` checks that every escape was used."""
 
@@ -214,9 +175,10 @@ class Escapes:
 
 
 def read_sections(data: bytes, flags: int, shape: tuple[int, int, int], family: Family, n_escapes: int,
-                  stream_len: int, codec: str, at: int) -> tuple[np.ndarray, Escapes, list[int], bytes]:
-    """The sections after the head at ``at``: each row's repeat distance ``[tokens, heads]``, the escapes,
-    the coded values' raw bits and the entropy-coded stream, checked to tile the chunk exactly."""
+                  stream_len: int, codec: str, at: int, held_bits: int = 0) -> tuple[np.ndarray, Escapes, bytes, bytes]:
+    """The sections after the head at ``at``: each row's repeat distance ``[tokens, heads]``, the escapes, the
+    raw section (the coded values' raw bits, less the last ``held_bits`` where the coder holds them elsewhere;
+    ``raw_values`` reads it) and the entropy-coded stream, checked to tile the chunk exactly."""
     heads, tokens, dim = shape
     back = np.zeros((tokens, heads), np.int64)
     if flags & FLAG_REPEATS:
@@ -226,14 +188,29 @@ def read_sections(data: bytes, flags: int, shape: tuple[int, int, int], family: 
         at += 4
         back = read_repeats(data[at : at + length], tokens, heads, codec)
         at += length
-    n_coded = int((back == 0).sum()) * dim
-    raw_len = (n_coded * family.raw_bits + 7) // 8
+    raw_len = (max(coded_values(back, dim) * family.raw_bits - held_bits, 0) + 7) // 8
     if len(data) != at + 2 * n_escapes + raw_len + stream_len:
         raise DecodeError(f"{codec}: the chunk's sections do not add up to its length")
     escapes = Escapes(np.frombuffer(data, "<u2", n_escapes, at).tolist(), codec)
     at += 2 * n_escapes
-    raw = _unpack_bits(data[at : at + raw_len], n_coded, family.raw_bits).tolist()
-    return back, escapes, raw, data[at + raw_len :]
+    return back, escapes, data[at : at + raw_len], data[at + raw_len :]
+
+
+def coded_values(back: np.ndarray, dim: int) -> int:
+    """How many values a block with these repeat distances ``[tokens, heads]`` codes (its rows not repeated)."""
+    return int((back == 0).sum()) * dim
+
+
+def raw_values(section: bytes, count: int, width: int, tail: np.ndarray | None = None) -> list[int]:
+    """The ``count`` raw fields of ``width`` bits of a raw section, each LSB first; ``tail``: the bits (LSB first)
+    that follow the section's where a coder held the last ones elsewhere."""
+    bits = np.unpackbits(np.frombuffer(section, np.uint8), bitorder="little").astype(np.int64)
+    if tail is not None:
+        bits = np.concatenate([bits[: count * width - len(tail)], tail.astype(np.int64)])
+    if not count or not width:
+        return [0] * count
+    values: list[int] = (bits[: count * width].reshape(count, width) << np.arange(width)).sum(axis=1).tolist()
+    return values
 
 
 def read_channels(next_symbol: Callable[[int], int], channels: int, base: int, family: Family, tables: CoderTables,
@@ -291,7 +268,8 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
         if len(data) != HEAD.size or flags or base or n_escapes or stream_len:
             raise DecodeError("ctxans: an empty block's chunk holds data")
         return np.moveaxis(out, 0, 1)
-    back, escape, raw, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxans", HEAD.size)
+    back, escape, section, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxans", HEAD.size)
+    raw = raw_values(section, coded_values(back, dim), family.raw_bits)
     decoder = rans.Decoder(stream, tables.freq.tolist(), tables.cum.tolist(), PROB_BITS, STATES, "ctxans")
     classes, refs = read_channels(decoder.next, channels, base, family, tables, escape, "ctxans")
     context_of = tables.context_of.tolist()
@@ -323,40 +301,3 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
     decoder.finish()
     escape.finish()
     return np.moveaxis(out, 0, 1)
-
-
-def read_varint(data: bytes, at: int, max_bytes: int) -> tuple[int, int] | None:
-    """The unsigned LEB128 varint at ``data[at]`` and the position after it; None where it runs past the end of
-    ``data`` or past ``max_bytes`` bytes."""
-    value = 0
-    for n in range(max_bytes):
-        if at + n >= len(data):
-            return None
-        byte = data[at + n]
-        value |= (byte & 0x7F) << (7 * n)
-        if not byte & 0x80:
-            return value, at + n + 1
-    return None
-
-
-def read_repeats(body: bytes, tokens: int, heads: int, codec: str) -> np.ndarray:
-    """The repeat section ``repeat_section`` writes: per (token, head) row the distance back to the row it
-    repeats, 0 for a coded row."""
-    rows = tokens * heads
-    bitmap_len = (rows + 7) // 8
-    if len(body) < bitmap_len:
-        raise DecodeError(f"{codec}: truncated repeat section")
-    flags = np.unpackbits(np.frombuffer(body, np.uint8, bitmap_len), bitorder="little")
-    if flags[rows:].any():
-        raise DecodeError(f"{codec}: bad repeat bitmap padding")
-    back = np.zeros(rows, np.int64)
-    at = bitmap_len
-    for row in np.flatnonzero(flags[:rows]).tolist():
-        read = read_varint(body, at, 5)
-        if read is None:
-            raise DecodeError(f"{codec}: bad repeat distance")
-        value, at = read
-        back[row] = value + 1
-    if at != len(body):
-        raise DecodeError(f"{codec}: the repeat section has trailing bytes")
-    return back.reshape(tokens, heads)

@@ -71,11 +71,13 @@ class Dictionary:
 
     @property
     def classes(self) -> int:
-        return self.freq.shape[0]
+        classes: int = self.freq.shape[0]
+        return classes
 
     @property
     def contexts(self) -> int:
-        return self.freq.shape[1]
+        contexts: int = self.freq.shape[1]
+        return contexts
 
     @cached_property
     def payload(self) -> bytes:

@@ -57,7 +57,7 @@ def register(dictionary: AnyDictionary) -> str:
     return dictionary.id
 
 
-def read_file(path: str | os.PathLike) -> AnyDictionary:
+def read_file(path: str | os.PathLike[str]) -> AnyDictionary:
     """Read and validate a ``.kvd`` file (``DictionaryError`` if it is not one)."""
     path = Path(path)
     if path.stat().st_size > MAX_FILE:
@@ -68,7 +68,7 @@ def read_file(path: str | os.PathLike) -> AnyDictionary:
         raise DictionaryError(f"{path}: {exc}") from None
 
 
-def load(path: str | os.PathLike) -> AnyDictionary:
+def load(path: str | os.PathLike[str]) -> AnyDictionary:
     """Read a ``.kvd`` file and register it."""
     dictionary = read_file(path)
     register(dictionary)

@@ -21,6 +21,7 @@ from kvtool.modeldict import ctxans_reference as ref
 from kvtool.modeldict.format import (
     LEVELS, LOW, MAX_CLASSES, PROB_SCALE, REF_SYMBOLS, SYMBOLS, Dictionary,
 )
+from kvtool.repeats import repeated_rows
 
 DEFAULT_CLASSES = 32
 #: Contexts: the previous token's level relative to the reference, in whole binades from
@@ -55,7 +56,7 @@ def block_samples(block: np.ndarray, dtype_name: str, context_of: np.ndarray, st
     prev = np.empty_like(sym)
     prev[1:] = context_of[sym[:-1]]
     prev[0] = start
-    coded = np.repeat(ref.repeated_rows(bits) == 0, dim, axis=1)
+    coded = np.repeat(repeated_rows(bits) == 0, dim, axis=1)
     bins = CONTEXTS * SYMBOLS
     pairs = (np.arange(channels) * bins + prev * SYMBOLS + sym)[coded]
     counts = np.bincount(pairs, minlength=channels * bins).reshape(channels, bins)
@@ -73,7 +74,8 @@ def quantize(weights: np.ndarray, floor: int = 1, total: int = PROB_SCALE) -> np
     short = spare - int(freq.sum())
     order = np.argsort(-(share - freq), kind="stable")
     freq[order[:short]] += 1
-    return (freq + keep).astype(np.uint16)
+    quantized: np.ndarray = (freq + keep).astype(np.uint16)
+    return quantized
 
 
 def train(
@@ -127,7 +129,7 @@ def train(
     return Dictionary(freq, context_of, start, class_table, quantize(offsets + 0.5), meta)
 
 
-def _cluster(data: np.ndarray, n: int, on_progress) -> tuple[np.ndarray, np.ndarray, float]:
+def _cluster(data: np.ndarray, n: int, on_progress: Callable[[str], None] | None) -> tuple[np.ndarray, np.ndarray, float]:
     """``n`` classes of symbol models ``[n, CONTEXTS, 64]``, the class model, and the bits per value
     they need on ``data``, by Lloyd iterations on coding cost."""
     marginal = data.reshape(len(data), CONTEXTS, SYMBOLS).sum(axis=1)

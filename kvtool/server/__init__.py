@@ -17,6 +17,7 @@ Needs the ``api`` extra (FastAPI, uvicorn, httpx, prometheus_client, cbor2);
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 _LAZY = {
     "ApiClient": "kvtool.server.client",
@@ -31,7 +32,7 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # the lazily imported names, as their modules type them
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

@@ -25,7 +25,7 @@ import kvtool
 from kvtool.server.context import ApiContext, Limits
 from kvtool.server.entry_routes import add_entry_routes
 from kvtool.server.events import EventHub
-from kvtool.server.guards import AuthGuard, BodyGuard, RateGuard
+from kvtool.server.guards import App, AuthGuard, BodyGuard, RateGuard, Receive, Scope, Send
 from kvtool.server.http_errors import add_error_handlers
 from kvtool.server.later import Later
 from kvtool.server.lookup import BlockHasher
@@ -96,12 +96,12 @@ class ApiApp:
     stays open (its owner closes it).
     """
 
-    asgi: Callable
+    asgi: App
     fastapi: FastAPI
     context: ApiContext
     close: Callable[[], None]
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.asgi(scope, receive, send)
 
 
@@ -131,7 +131,7 @@ def _authenticated_routes(ctx: ApiContext, limits: Limits) -> APIRouter:
     return router
 
 
-def _openapi_with_security(api: FastAPI) -> dict:
+def _openapi_with_security(api: FastAPI) -> dict[str, Any]:
     """FastAPI's schema, plus the bearer-token requirement of every path but the open ones."""
     if api.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi

@@ -11,15 +11,26 @@ told how many it lost instead of holding the server's memory.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import threading
 from collections import deque
 from dataclasses import asdict
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Final, Union
 
 from kvtool.store import StoreEvent
 
-_CLOSED = object()
+
+class _End(enum.Enum):
+    """The item that ends a stream: an enum member, so that the type checker tells it from the others."""
+
+    CLOSED = "closed"
+
+
+_CLOSED: Final = _End.CLOSED
+Event = tuple[int, str, str]  # (id, kind, JSON data)
+#: What a listener's queue holds: events, the count of events it lost, and ``_CLOSED`` at the end.
+Queued = Union[Event, int, _End]
 
 
 class TooManyListeners(Exception):
@@ -29,8 +40,8 @@ class TooManyListeners(Exception):
 class EventHub:
     def __init__(self, ring_size: int = 4096, queue_size: int = 10_000, max_listeners: int = 64) -> None:
         self._last_id = 0
-        self._ring: deque[tuple[int, str, str]] = deque(maxlen=ring_size)  # (id, kind, JSON data)
-        self._listeners: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
+        self._ring: deque[Event] = deque(maxlen=ring_size)
+        self._listeners: dict[asyncio.Queue[Queued], asyncio.AbstractEventLoop] = {}
         self._queue_size = queue_size
         self._max_listeners = max_listeners
         self._lock = threading.Lock()
@@ -39,7 +50,7 @@ class EventHub:
     def publish_store_event(self, event: StoreEvent) -> None:
         self.publish(event.kind, asdict(event))
 
-    def publish(self, kind: str, data: dict) -> None:
+    def publish(self, kind: str, data: dict[str, Any]) -> None:
         with self._lock:
             self._last_id += 1
             item = (self._last_id, kind, json.dumps(data, separators=(",", ":")))
@@ -60,7 +71,7 @@ class EventHub:
         Registers the listener at once (``TooManyListeners`` when the server
         has as many as it allows), so a refusal comes before any response.
         """
-        queue: asyncio.Queue = asyncio.Queue(self._queue_size)
+        queue: asyncio.Queue[Queued] = asyncio.Queue(self._queue_size)
         with self._lock:
             if len(self._listeners) >= self._max_listeners:
                 raise TooManyListeners(f"{self._max_listeners} event streams are open; close one first")
@@ -76,15 +87,15 @@ class EventHub:
         with self._lock:
             return len(self._listeners)
 
-    async def _stream(self, queue: asyncio.Queue, last_id: int | None, replay: list, first_kept: int,
+    async def _stream(self, queue: asyncio.Queue[Queued], last_id: int | None, replay: list[Event], first_kept: int,
                       heartbeat_s: float) -> AsyncIterator[str]:
         try:
             yield ": kvtool events\n\n"
             if last_id is not None and last_id + 1 < first_kept:
                 yield _format((first_kept - 1, "lost", json.dumps({"count": first_kept - 1 - last_id})))
             sent = replay[-1][0] if replay else last_id or 0
-            for item in replay:
-                yield _format(item)
+            for event in replay:
+                yield _format(event)
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), heartbeat_s)
@@ -103,7 +114,7 @@ class EventHub:
                 self._listeners.pop(queue, None)
 
 
-def _deliver(listeners: list[tuple[asyncio.Queue, asyncio.AbstractEventLoop]], item) -> None:
+def _deliver(listeners: list[tuple[asyncio.Queue[Queued], asyncio.AbstractEventLoop]], item: Queued) -> None:
     for queue, loop in listeners:
         try:
             loop.call_soon_threadsafe(_offer, queue, item)
@@ -111,7 +122,7 @@ def _deliver(listeners: list[tuple[asyncio.Queue, asyncio.AbstractEventLoop]], i
             pass
 
 
-def _offer(queue: asyncio.Queue, item) -> None:
+def _offer(queue: asyncio.Queue[Queued], item: Queued) -> None:
     """Queue ``item``; on overflow, drop the oldest queued items and count them as lost."""
     if queue.full():
         lost = 0
@@ -122,6 +133,6 @@ def _offer(queue: asyncio.Queue, item) -> None:
     queue.put_nowait(item)
 
 
-def _format(item: tuple[int, str, str]) -> str:
+def _format(item: Event) -> str:
     event_id, kind, data = item
     return f"id: {event_id}\nevent: {kind}\ndata: {data}\n\n"

@@ -9,7 +9,7 @@ same keys to find them:
 ``scheme="vllm"``    the vLLM connector: vLLM's own prefix-cache block hashes
     (the salt is the request's ``cache_salt``) named through the connector's
     ``EntryNamer``, one key per tensor-parallel rank, found with the
-    connector's own ``find_stored_prefix`` (``kvtool.store.prefixes``).
+    connector's own ``find_stored_prefix`` (``kvtool.entries.names``).
 
 vLLM's block hash of a block is ``H((parent hash, token ids, extra keys))``
 where the first block's parent is ``H(seed)`` and its extra keys hold the
@@ -31,7 +31,7 @@ import xxhash
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store import PrefixKeyer, Store
-from kvtool.store.prefixes import EntryNamer, blocks_per_entry, find_stored_prefix, tokens_in
+from kvtool.entries.names import EntryNamer, blocks_per_entry, find_stored_prefix, tokens_in
 
 SCHEMES = ("prefix", "vllm")
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic hashes when PYTHONHASHSEED is unset
@@ -196,7 +196,7 @@ def _tier_rank(store: Store, name: str) -> int:
 
 
 def _cbor_hash(algo: str) -> Callable[[Any], bytes]:
-    digests = {
+    digests: dict[str, Callable[[bytes], bytes]] = {
         "sha256_cbor": lambda data: hashlib.sha256(data).digest(),
         "xxhash_cbor": lambda data: xxhash.xxh3_128_digest(data),
     }

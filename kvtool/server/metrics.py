@@ -12,9 +12,10 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvtool.server.guards import App, Message, Receive, Scope, Send
 from kvtool.store import TieredStore
 
-_TIER_COUNTERS = ("hits", "misses", "puts", "put_failures", "deletes", "evictions", "corrupt", "errors",
+_TIER_COUNTERS = ("hits", "misses", "puts", "put_failures", "put_refused", "deletes", "evictions", "corrupt", "errors",
                   "bytes_stored", "bytes_read")
 
 
@@ -63,14 +64,14 @@ class ApiMetrics:
         self.refused = Counter("kvtool_api_refused", "Requests refused before any endpoint ran, by reason",
                                ["reason"], registry=self.registry)
 
-    def wrap(self, app):
-        async def counted(scope, receive, send):
+    def wrap(self, app: App) -> App:
+        async def counted(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
                 return await app(scope, receive, send)
             start = time.perf_counter()
             status = 500
 
-            async def send_and_note(message):
+            async def send_and_note(message: Message) -> None:
                 nonlocal status
                 if message["type"] == "http.response.start":
                     status = message["status"]
@@ -86,7 +87,7 @@ class ApiMetrics:
         return counted
 
 
-def _route(scope: dict) -> str:
+def _route(scope: Scope) -> str:
     """The route's path template (bounded label values), or ``other``."""
     route = scope.get("route")
     return getattr(route, "path", "other")

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import uvicorn
 
@@ -26,6 +26,8 @@ from kvtool.server.lookup import BlockHasher
 from kvtool.store import TieredStore
 
 if TYPE_CHECKING:
+    import socket
+
     from typing_extensions import Self
 
 log = logging.getLogger("kvtool.server")
@@ -36,12 +38,12 @@ class _Uvicorn(uvicorn.Server):
         super().__init__(config)
         self._api = api
 
-    async def shutdown(self, sockets=None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._api.close()
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         """SIGINT and SIGTERM stop the server; unlike uvicorn's own, the signal is not raised again
         afterwards, so the caller still closes its store (and saves the memory tier)."""
         if threading.current_thread() is not threading.main_thread():
@@ -148,5 +150,5 @@ class ApiServer:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()

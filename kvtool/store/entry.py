@@ -22,10 +22,11 @@ value holds) and ``raw_bytes`` (the uncompressed size of that cache).
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import xxhash
 
@@ -94,16 +95,45 @@ def check_key(key: str) -> bytes:
     return raw
 
 
-def wrap(key: str, value: bytes | bytearray | memoryview, meta: dict[str, Any] | None = None) -> Entry:
-    """Build the record for ``value`` stored under ``key``."""
-    key_raw = check_key(key)
-    meta = dict(meta or {})
+def _meta_bytes(meta: dict[str, Any]) -> bytes:
     try:
         meta_raw = json.dumps(meta, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise UsageError(f"entry metadata must be JSON-safe: {exc}") from exc
     if len(meta_raw) > MAX_META_BYTES:
         raise UsageError(f"entry metadata is {len(meta_raw)} bytes; the limit is {MAX_META_BYTES}")
+    return meta_raw
+
+
+def wrap_written(key: str, meta: dict[str, Any], write_value: Callable[[BinaryIO], object]) -> Entry:
+    """Build the record of the value ``write_value(out)`` writes, in one buffer: the value is never copied.
+
+    For a value made by a writer (a .kvz), where ``wrap`` would join a copy of it onto its header.
+    """
+    key_raw = check_key(key)
+    meta = dict(meta)
+    meta_raw = _meta_bytes(meta)
+    offset = HEADER.size + len(key_raw) + len(meta_raw)
+    out = io.BytesIO()
+    out.write(bytes(offset))
+    write_value(out)
+    size = out.tell()
+    with out.getbuffer() as view:
+        head = HEADER.pack(MAGIC, VERSION, len(key_raw), len(meta_raw), size - offset, 0)[:-8]
+        digest = xxhash.xxh3_64(head)
+        digest.update(key_raw)
+        digest.update(meta_raw)
+        digest.update(view[offset:])
+    out.seek(0)
+    out.write(b"".join((head, digest.intdigest().to_bytes(8, "little"), key_raw, meta_raw)))
+    return Entry(key, size, meta, out.getvalue(), offset)  # getvalue hands over the buffer itself, not a copy
+
+
+def wrap(key: str, value: bytes | bytearray | memoryview, meta: dict[str, Any] | None = None) -> Entry:
+    """Build the record for ``value`` stored under ``key``."""
+    key_raw = check_key(key)
+    meta = dict(meta or {})
+    meta_raw = _meta_bytes(meta)
     try:
         value = memoryview(value).cast("B")
     except TypeError as exc:
@@ -150,16 +180,22 @@ def parse_info(prefix: bytes, record_size: int) -> EntryInfo:
     return EntryInfo(key, record_size, meta)
 
 
-def unwrap(record: bytes, expected_key: str | None = None) -> Entry:
-    """Verify a record fully; raises ``CorruptEntryError`` saying what is wrong."""
+def unwrap(record: bytes, expected_key: str | None = None, check_value: bool = True) -> Entry:
+    """Verify a record fully; raises ``CorruptEntryError`` saying what is wrong.
+
+    Without ``check_value`` the header, key and metadata are parsed and checked but no byte is hashed: for a
+    caller that verifies the value itself, as a .kvz reader checks every chunk it reads, so a restore hashes
+    each byte once. Metadata read that way is unverified; such a caller must not act on it.
+    """
     record = bytes(record)
     key_len, meta_len, checksum = parse_head(record, len(record))
-    digest = xxhash.xxh3_64()
-    view = memoryview(record)
-    digest.update(view[:HEADER.size - 8])
-    digest.update(view[HEADER.size:])
-    if digest.intdigest() != checksum:
-        raise CorruptEntryError("checksum mismatch")
+    if check_value:
+        digest = xxhash.xxh3_64()
+        view = memoryview(record)
+        digest.update(view[:HEADER.size - 8])
+        digest.update(view[HEADER.size:])
+        if digest.intdigest() != checksum:
+            raise CorruptEntryError("checksum mismatch")
     info = parse_info(record, len(record))
     if expected_key is not None and info.key != expected_key:
         raise CorruptEntryError(f"record belongs to another key ({info.key[:80]!r})")

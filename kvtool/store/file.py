@@ -106,7 +106,7 @@ class FileStore(Store):
     typical_bandwidth = 2e9
 
     def __init__(
-        self, path: str | os.PathLike, capacity: int | None = None, *, name: str | None = None, create: bool = True
+        self, path: str | os.PathLike[str], capacity: int | None = None, *, name: str | None = None, create: bool = True
     ) -> None:
         """``create=False`` opens only a store that exists, creating nothing: a directory that is not
         one (no index) is a ``MissingStoreError``."""
@@ -144,7 +144,8 @@ class FileStore(Store):
 
     @property
     def used_bytes(self) -> int:
-        return (self._index.row("SELECT bytes FROM totals") or (0,))[0]
+        used: int = (self._index.row("SELECT bytes FROM totals") or (0,))[0]
+        return used
 
     def path_of(self, key: str) -> Path | None:
         """The file that holds ``key``'s record now, or None."""
@@ -241,7 +242,8 @@ class FileStore(Store):
         return self._index.query(lambda db: [row[0] for row in db.execute("SELECT key FROM entries ORDER BY access")], [])
 
     def _count(self) -> int:
-        return (self._index.row("SELECT entries FROM totals") or (0,))[0]
+        count: int = (self._index.row("SELECT entries FROM totals") or (0,))[0]
+        return count
 
     def _info(self, key: str) -> EntryInfo | None:
         row = self._index.row("SELECT size, meta FROM entries WHERE key = ?", key)
@@ -305,6 +307,9 @@ class FileStore(Store):
         raw = staged.meta.get("raw_bytes")
         raw = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
 
+        with self._pin_lock:
+            pinned = set(self._pinned)  # this process's pins: kept when room is made
+
         def publish(db: sqlite3.Connection) -> tuple[list[str], list[str], int]:
             self._write_touches(db)
             clock = advance_clock(db)
@@ -312,7 +317,9 @@ class FileStore(Store):
             entries, used = db.execute("SELECT entries, bytes FROM totals").fetchone()
             if old is not None:
                 entries, used = entries - 1, used - old[1]
-            victims, names, freed = drop_coldest(db, staged.key, used + staged.size, self.capacity)
+            victims, names, freed = drop_coldest(db, {staged.key, *pinned}, used + staged.size, self.capacity)
+            if self.capacity is not None and used - freed + staged.size > self.capacity:
+                raise _NoRoom  # the entries pinned here fill the room: rolled back, nothing dropped
             db.execute(
                 "INSERT OR REPLACE INTO entries (key, file, size, raw_bytes, meta, access) VALUES (?, ?, ?, ?, ?, ?)",
                 (staged.key, staged.name, staged.size, raw, json.dumps(staged.meta, sort_keys=True), clock),
@@ -321,7 +328,13 @@ class FileStore(Store):
                        (entries - len(victims) + 1, used - freed + staged.size))
             return victims, names + ([old[0]] if old is not None else []), freed
 
-        result = self._index.transaction(publish, None)
+        try:
+            result = self._index.transaction(publish, None)
+        except _NoRoom:
+            log.warning("%s: not storing %r: the entries pinned by this process fill the capacity", self.name,
+                        staged.key)
+            _unlink(self._entries / staged.name)
+            return False
         if result is None:
             log.warning("%s: cannot index entry %r; not stored, any old value kept", self.name, staged.key)
             _unlink(self._entries / staged.name)
@@ -359,10 +372,14 @@ class FileStore(Store):
                            [(first + i, key) for i, key in enumerate(touched)])
 
 
+class _NoRoom(Exception):
+    """A write that would not fit beside the entries this process pinned (raised inside the index transaction)."""
+
+
 class _Staged:
     """A record in its final file, locked and not yet indexed."""
 
-    def __init__(self, store: FileStore, key: str, name: str, size: int, meta: dict, fd: int) -> None:
+    def __init__(self, store: FileStore, key: str, name: str, size: int, meta: dict[str, Any], fd: int) -> None:
         self.store, self.key, self.name, self.size, self.meta, self._fd = store, key, name, size, meta, fd
 
     def commit(self) -> bool:

@@ -72,11 +72,12 @@ class FileIndex:
         self._db = self._connect()
         self.forked: Callable[[], None] = lambda: None  # called in a forked child before its first query
 
-    def row(self, query: str, *params: Any) -> tuple | None:
+    def row(self, query: str, *params: Any) -> tuple[Any, ...] | None:
         """The first row of a query; None if there is none or the index cannot be read (logged)."""
-        return self.query(lambda db: db.execute(query, params).fetchone(), None)
+        first: tuple[Any, ...] | None = self.query(lambda db: db.execute(query, params).fetchone(), None)
+        return first
 
-    def row_or_failed(self, query: str, *params: Any) -> tuple | None | Failed:
+    def row_or_failed(self, query: str, *params: Any) -> tuple[Any, ...] | None | Failed:
         """The first row of a query, None if there is none, ``FAILED`` if the index cannot be read."""
         return self.query_or_failed(lambda db: db.execute(query, params).fetchone())
 
@@ -152,11 +153,13 @@ class FileIndex:
 
 def advance_clock(db: sqlite3.Connection, ticks: int = 1) -> int:
     """Advance the store's clock by ``ticks``; its new value."""
-    return db.execute("UPDATE totals SET clock = clock + ? RETURNING clock", (ticks,)).fetchone()[0]
+    clock: int = db.execute("UPDATE totals SET clock = clock + ? RETURNING clock", (ticks,)).fetchone()[0]
+    return clock
 
 
-def drop_coldest(db: sqlite3.Connection, keep: str, need: int, capacity: int | None) -> tuple[list[str], list[str], int]:
-    """Delete the least recently used rows (never ``keep``'s) until ``need`` bytes of use fit ``capacity``.
+def drop_coldest(db: sqlite3.Connection, keep: set[str], need: int,
+                 capacity: int | None) -> tuple[list[str], list[str], int]:
+    """Delete the least recently used rows (never those of ``keep``) until ``need`` bytes of use fit ``capacity``.
 
     Returns the keys dropped, their files (for the caller to unlink after the commit) and the bytes freed.
     """
@@ -165,10 +168,12 @@ def drop_coldest(db: sqlite3.Connection, keep: str, need: int, capacity: int | N
     freed = 0
     if capacity is None or need <= capacity:
         return victims, names, freed
-    rows = db.execute("SELECT key, file, size FROM entries WHERE key != ? ORDER BY access", (keep,))
+    rows = db.execute("SELECT key, file, size FROM entries ORDER BY access")
     for key, name, size in rows:
         if need - freed <= capacity:
             break
+        if key in keep:
+            continue
         victims.append(key)
         names.append(name)
         freed += size

@@ -20,7 +20,7 @@ LATENCY_WINDOW = 4096  # the most recent gets the percentiles are computed over
 LATENCY_BUCKETS = (1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 COUNTERS = (
-    "hits", "misses", "puts", "put_failures", "deletes", "evictions", "corrupt", "errors",
+    "hits", "misses", "puts", "put_failures", "put_refused", "deletes", "evictions", "corrupt", "errors",
     "bytes_raw", "bytes_stored", "bytes_read",
 )
 
@@ -61,12 +61,12 @@ class StoreMetrics:
         self._buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self._latency_sum += seconds
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Counters, ``hit_rate``, ``get_p50_ms``/``get_p99_ms`` (None before the first get),
         ``get_seconds`` (the latency histogram: per-bucket counts, the last bucket unbounded) and
         ``compression_ratio`` of what was written (None before the first put)."""
         with self._lock:
-            data: dict = dict(self._counts)
+            data: dict[str, Any] = dict(self._counts)
             latencies = sorted(self._latencies)
             histogram = {"le": list(LATENCY_BUCKETS), "counts": list(self._buckets), "sum": self._latency_sum}
         lookups = data["hits"] + data["misses"]
@@ -103,6 +103,12 @@ TIER_METRICS = (
     MetricDef("kvtool_store_misses", "counter", "misses", "Reads that found no entry, or a damaged one."),
     MetricDef("kvtool_store_puts", "counter", "puts", "Entries written."),
     MetricDef("kvtool_store_put_failures", "counter", "put_failures", "Writes refused or failed."),
+    MetricDef("kvtool_store_put_refused", "counter", "put_refused",
+              "Writes the server refused for lack of memory even after room was made (part of put_failures)."),
+    MetricDef("kvtool_store_server_refused_writes", "gauge", "server_refused_writes",
+              "Writes the tier's servers refused for lack of memory, from every client (Redis's errorstat_OOM)."),
+    MetricDef("kvtool_store_server_evicted_keys", "gauge", "server_evicted_keys",
+              "Keys the tier's servers evicted by their own maxmemory policy, every client's."),
     MetricDef("kvtool_store_deletes", "counter", "deletes", "Entries deleted, or moved out to another tier."),
     MetricDef("kvtool_store_evictions", "counter", "evictions", "Entries removed to stay within capacity."),
     MetricDef("kvtool_store_corrupt", "counter", "corrupt", "Damaged entries found and dropped."),

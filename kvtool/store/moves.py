@@ -29,7 +29,7 @@ def delivering_events(method: Callable[Concatenate[S, P], R]) -> Callable[Concat
     """Run ``method`` inside ``events.delivering()``: its events reach subscribers when it returns."""
 
     @functools.wraps(method)
-    def run(self: S, *args: P.args, **kwargs: P.kwargs) -> R:
+    def run(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         with self.events.delivering():
             return method(self, *args, **kwargs)
 

@@ -60,7 +60,7 @@ class TierProfile:
                 transfer = max(seconds - self.latency_s, 1e-9)
                 self.bandwidth += self.ALPHA * (nbytes / transfer - self.bandwidth)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, float]:
         return {"latency_ms": self.latency_s * 1000, "bandwidth_MBps": self.bandwidth / 1e6, "samples": self.samples}
 
 

@@ -151,14 +151,16 @@ class RecordStore(ABC):
         """
         return self.fetch(key).entry
 
-    def fetch(self, key: str) -> Fetched:
+    def fetch(self, key: str, *, check_value: bool = True) -> Fetched:
         """The verified entry under ``key``, or why there is none (``missing``, ``damaged``, ``unreachable``).
 
         Never raises for an entry that is absent, damaged or out of reach; a bad
         key or a closed store still raise ``UsageError``. Counted as a hit or miss.
+        Without ``check_value`` the value is not hashed (``entry.unwrap``): for a
+        caller that verifies it and reports damage with ``drop_damaged``.
         """
         start = time.perf_counter()
-        fetched = self.peek_fetched(key)
+        fetched = self.peek_fetched(key, check_value=check_value)
         elapsed = time.perf_counter() - start
         if fetched.entry is None:
             self.metrics.miss(elapsed)
@@ -170,7 +172,7 @@ class RecordStore(ABC):
         """Like ``get_entry``, but not counted as a hit or miss (for moving entries between tiers)."""
         return self.peek_fetched(key).entry
 
-    def peek_fetched(self, key: str) -> Fetched:
+    def peek_fetched(self, key: str, *, check_value: bool = True) -> Fetched:
         """Like ``fetch``, but not counted as a hit or miss."""
         check_key(key)
         self._check_open()
@@ -178,10 +180,17 @@ class RecordStore(ABC):
         if isinstance(record, Fetched):
             return record
         try:
-            return Fetched(key, unwrap(record, key), None)
+            return Fetched(key, unwrap(record, key, check_value), None, tier=self.name)
         except CorruptEntryError as exc:
             self._drop_corrupt(key, exc)
             return Fetched(key, None, MissCause.DAMAGED, str(exc))
+
+    def drop_damaged(self, key: str, reason: str) -> None:
+        """A caller that checked an entry's value itself (``fetch(check_value=False)``) found it damaged: counted,
+        logged and dropped, as a failed record check would be (left in place in a store opened read-only)."""
+        check_key(key)
+        self._check_open()
+        self._drop_corrupt(key, CorruptEntryError(reason))
 
     def info(self, key: str) -> EntryInfo | None:
         """Size and metadata of the entry under ``key`` without verifying its value."""

@@ -21,12 +21,19 @@ full, every put fails). With ``ttl=none`` set ``maxmemory`` and
 
 Every failure (server down, timeout, a key Redis evicted, a damaged value) is a
 miss, or ``False`` from ``put``, with the reason logged: a cache that cannot be
-reached must never stop the caller. After a failure the store does not try the
+reached must never stop the caller. A write Redis refuses for lack of memory
+(``OOM``: ``maxmemory`` reached under ``noeviction``, or its clients' buffers
+filling the room) makes room among the store's own entries on that server and
+is tried again (``kvtool.store.redis_room``); one still refused is counted in
+``put_refused``, and ``stats()`` adds what the servers say of their memory and
+of the writes they refused from every client. After a failure the store does not try the
 server again for ``backoff`` seconds, so a dead server costs the caller one
 timeout, not one per call (a circuit breaker).
 
 Batch calls (``get_many``, ``put_many``, ``contains_many``) cost one round trip
-per server, with one ``MGET`` per group of keys a server holds together. Replies
+per server, with one ``MGET`` per group of keys a server holds together; a key
+whose command fails in the batch is asked again on its own, so each key
+succeeds or fails by itself. Replies
 are parsed by ``hiredis`` when it is installed (the ``redis`` extra installs
 it); requests are packed by redis-py's own packer, which sends a large value as
 its own buffer where hiredis' would first copy it into one command string.
@@ -42,11 +49,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError
 from redis.retry import Retry
 
 from kvtool.errors import StoreUnreachableError, UsageError
 from kvtool.store.base import Store, Value, log
 from kvtool.store.entry import HEADER, MAX_KEY_BYTES, MAX_META_BYTES, EntryInfo, check_key, parse_info, wrap
+from kvtool.store.redis_room import ROOM_TRIES, Room, make_room, server_memory
 from kvtool.store.redis_wire import UnbufferedConnection
 from kvtool.store.results import Fetched, MissCause
 from kvtool.store.url import has_password, non_negative_seconds, parse_options, positive_seconds, redact, split_query
@@ -110,6 +119,7 @@ class RedisStore(Store):
         self.prefix = prefix
         self.backoff = backoff
         self._down_until: dict[str, float] = {}
+        self._rooms: dict[str, Room] = {}  # per server: where the sampling for room goes on
         self._state_lock = threading.Lock()
         password = None if has_password(base) else os.environ.get(PASSWORD_ENV)
         options: dict[str, Any] = {
@@ -183,6 +193,10 @@ class RedisStore(Store):
         """``(scope, client)`` of every server that holds keys, for ``keys()``."""
         return [(EVERYWHERE, self._client)]
 
+    def _server_of(self, key: str) -> Any:
+        """A client of the one server that holds ``key``."""
+        return self._client
+
     def _redirected(self, exc: Exception) -> bool:
         """Whether a batch failed only because a key lives elsewhere now (a cluster's MOVED)."""
         return False
@@ -204,7 +218,31 @@ class RedisStore(Store):
         return bytes(cast(bytes, record))  # no decode_responses: replies are bytes
 
     def _write(self, info: EntryInfo, record: bytes) -> bool:
-        return self._call("put", info.key, lambda: bool(self._client.set(self._k(info.key), record, px=self._px)), False)
+        return self._call("put", info.key, lambda: self._set(info.key, record), False)
+
+    def _set(self, key: str, record: bytes) -> bool:
+        """SET; refused for lack of memory, make room on that server (a few times the record, more each try) and
+        try again. A write still refused is counted and logged, and is no failure of the server."""
+        for attempt in range(1, ROOM_TRIES + 2):
+            try:
+                return bool(self._client.set(self._k(key), record, px=self._px))
+            except OutOfMemoryError:
+                if attempt > ROOM_TRIES or not self._make_room(key, (attempt + 1) * len(record)):
+                    break
+        self.metrics.count("put_refused")
+        log.warning("%s: the server holding %r refused a %d-byte write for lack of memory, with no room to make "
+                    "among this store's entries there; not stored", self.name, key, len(record))
+        return False
+
+    def _make_room(self, key: str, need: int) -> bool:
+        """Evict this store's least recently used entries on the server holding ``key`` (about ``need`` bytes)."""
+        scope = EVERYWHERE if self._is_down(EVERYWHERE) else self._scope(key)
+        with self._state_lock:
+            room = self._rooms.setdefault(scope, Room())
+        gone, freed, made = make_room(self._server_of(key), _glob_escape(self.prefix) + "*", self._k(key), need, room)
+        n = len(self.prefix.encode())
+        self._evicted([k[n:].decode("utf-8", "replace") for k in gone], freed)
+        return made
 
     def _delete(self, key: str) -> bool:
         return bool(self._call("delete", key, lambda: self._client.delete(self._k(key)), 0))
@@ -302,38 +340,50 @@ class RedisStore(Store):
         op: str,
         keys: list[str],
         queue: Callable[[Any, list[str]], None],
-        flatten: Callable[[list], list],
+        flatten: Callable[[list[Any]], list[Any]],
         one: Callable[[str], Any],
-    ) -> list:
+    ) -> list[Any]:
         """Run ``op`` for ``keys`` with one pipeline per server; a key of a failed server gets None.
 
         ``queue`` adds the commands for one batch of keys to a pipeline,
         ``flatten`` turns the pipeline's replies into one result per key, and
         ``one`` does a single key (used when a cluster moved some keys).
         """
-        results: list = [None] * len(keys)
+        results: list[Any] = [None] * len(keys)
         no_groups: list[Group] = []
         groups = self._call(op, f"<{len(keys)} keys>", lambda: self._groups(keys), no_groups, scope=EVERYWHERE)
         for group in groups:
             indices = group.indices
 
-            def run(group: Group = group, indices: list[int] = indices) -> list:
+            def run(group: Group = group, indices: list[int] = indices) -> list[Any]:
                 pipe = group.client.pipeline(transaction=False)
                 for batch in group.batches:
                     queue(pipe, [keys[i] for i in batch])
-                try:
-                    return flatten(pipe.execute())
-                except redis.ResponseError as exc:
-                    if not self._redirected(exc):
-                        raise
-                    log.debug("%s: %s of %d keys redirected (%s); asking key by key", self.name, op, len(indices), exc)
-                    return [one(keys[i]) for i in indices]
+                replies = pipe.execute(raise_on_error=False)
+                failed = next((r for r in replies if isinstance(r, Exception)), None)
+                if failed is None:
+                    return flatten(replies)
+                # A key moved elsewhere (a cluster's MOVED: the slot map is refreshed), a write refused for lack
+                # of memory, or any other command's error: each key on its own, so that one fails alone.
+                how = "redirected" if self._redirected(failed) else f"{type(failed).__name__}: {failed}"
+                log.debug("%s: %s of %d keys in one batch failed (%s); asking key by key", self.name, op, len(indices),
+                          how)
+                return [one(keys[i]) for i in indices]
 
             replies = self._call(op, f"<{len(indices)} keys>", run, None, scope=group.scope)
             if replies is not None:
                 for i, reply in zip(indices, replies):
                     results[i] = reply
         return results
+
+    def stats(self) -> dict[str, Any]:
+        """The store's stats, and what its servers say of their memory (``redis_room.server_memory``)."""
+        data = super().stats()
+        no_servers: list[tuple[str, Any]] = []
+        servers = self._call("stats", None, self._servers, no_servers, scope=EVERYWHERE)
+        unknown: dict[str, Any] = {}
+        data.update(self._call("stats", None, lambda: server_memory(client for _, client in servers), unknown))
+        return data
 
     # --- helpers --------------------------------------------------------------
 

@@ -88,7 +88,8 @@ class RedisClusterStore(RedisStore):
         if self._cluster is None:
             return EVERYWHERE  # the call itself makes the client, or trips the whole store's breaker
         try:
-            return self._cluster.get_node_from_key(self._k(key)).name
+            node_name: str = self._cluster.get_node_from_key(self._k(key)).name
+            return node_name
         except (redis.RedisError, RedisClusterException, OSError):
             return EVERYWHERE  # no slot map yet, or it lacks the slot: the call will tell
 
@@ -110,6 +111,10 @@ class RedisClusterStore(RedisStore):
     def _servers(self) -> list[tuple[str, Any]]:
         client = self._client
         return [(node.name, client.get_redis_connection(node)) for node in client.get_primaries()]
+
+    def _server_of(self, key: str) -> Any:
+        client = self._client
+        return client.get_redis_connection(client.get_node_from_key(self._k(key)))
 
     def _redirected(self, exc: Exception) -> bool:
         if isinstance(exc, (AskError, TryAgainError)):  # MOVED is an AskError in redis-py

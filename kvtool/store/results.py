@@ -1,7 +1,8 @@
 """What a read found: the entry, or why there is none, as data.
 
 ``Store.fetch(key)`` answers with a ``Fetched``: the verified entry, or
-``entry=None`` and a ``MissCause`` with a human-readable ``detail``. A caller
+``entry=None`` and a ``MissCause`` with a human-readable ``detail``. A hit names
+the tier it came from, so a caller that reports it needs no second round trip. A caller
 that must act differently on a damaged entry than on a missing one (count it,
 report it, recompute without retrying) reads ``cause`` instead of counters or
 log text.
@@ -31,4 +32,5 @@ class Fetched:
     entry: Entry | None
     cause: MissCause | None
     detail: str = ""
+    tier: str | None = None  # on a hit, the name of the tier that held the entry
 

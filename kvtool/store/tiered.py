@@ -133,12 +133,13 @@ class TieredStore(TierMoves):
     # --- the Store interface --------------------------------------------------
 
     @delivering_events
-    def fetch(self, key: str) -> Fetched:
-        """The entry from whichever tier holds it (promoted to the top if ``promote``), or why none could."""
+    def fetch(self, key: str, *, check_value: bool = True) -> Fetched:
+        """The entry from whichever tier holds it (promoted to the top if ``promote``), or why none could; a hit names
+        that tier."""
         check_key(key)
         self._check_open()
         start = time.perf_counter()
-        fetched = self._fetch(key, to_top=self.promote and not self.read_only, reason="hit")
+        fetched = self._fetch(key, to_top=self.promote and not self.read_only, reason="hit", check_value=check_value)
         if fetched.entry is None:
             self.metrics.miss(time.perf_counter() - start)
         else:
@@ -221,11 +222,18 @@ class TieredStore(TierMoves):
         self._check_key_open(key)
         with self._placements.claim(key):  # waits for a move of it to finish
             placement = self._locate(key)
-            return placement is not None and self._placements.pin(placement)
+            if placement is None or not self._placements.pin(placement):
+                return False
+            tier = self._tiers[placement.tier]
+            if tier.shared:  # a shared tier makes room by itself: it must know the pin too
+                tier.pin(key)
+            return True
 
     def unpin(self, key: str) -> bool:
         """True if ``key`` was pinned."""
         self._check_key_open(key)
+        for index in self._shared_tiers():
+            self._tiers[index].unpin(key)
         return self._placements.unpin(key)
 
     def is_pinned(self, key: str) -> bool:
@@ -299,7 +307,7 @@ class TieredStore(TierMoves):
 
     # --- reads ----------------------------------------------------------------
 
-    def _fetch(self, key: str, to_top: bool, reason: str) -> Fetched:
+    def _fetch(self, key: str, to_top: bool, reason: str, check_value: bool = True) -> Fetched:
         """Read ``key`` from its tier (outside the lock), then move it to the top if asked; or say why not.
 
         A miss in every tier asked reports the gravest cause a tier gave: damaged, then unreachable, then missing.
@@ -310,7 +318,7 @@ class TieredStore(TierMoves):
             where = [seen.tier] if seen is not None else self._shared_tiers()
             for index in where:
                 start = time.perf_counter()
-                fetched = self._tiers[index].fetch(key)
+                fetched = self._tiers[index].fetch(key, check_value=check_value)
                 entry = fetched.entry
                 if entry is None:
                     causes.append(fetched)
@@ -331,7 +339,7 @@ class TieredStore(TierMoves):
                         self._move(key, 0, reason, entry)
                     finally:
                         self._placements.release([key])
-                return Fetched(key, entry, None)
+                return Fetched(key, entry, None, tier=self.tier_names[index])
             if seen is None or self.read_only:  # read-only: a damaged entry stays, indexed where it is
                 break
             with self._placements.lock:

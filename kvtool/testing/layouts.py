@@ -60,7 +60,7 @@ def in_a_dtype_it_takes(layout: Layout | LayoutChain, array: np.ndarray) -> np.n
 
 
 def assert_round_trip(layout: Layout | LayoutChain, array: np.ndarray) -> None:
-    """``forward`` matches ``plan`` and ``inverse`` restores ``array`` bit for bit, leaving its inputs alone."""
+    """``forward`` matches ``plan``, ``inverse`` and ``inverse_into`` restore ``array`` bit for bit, leaving its inputs alone."""
     before = bits_of(array).copy()
     inputs = [PlaneSpec.of(array)]
     specs = layout.plan(inputs)
@@ -73,6 +73,9 @@ def assert_round_trip(layout: Layout | LayoutChain, array: np.ndarray) -> None:
         (restored,) = layout.inverse(candidate, inputs)
         assert restored.shape == array.shape and restored.dtype == array.dtype
         assert np.array_equal(bits_of(restored), before)
+        into = np.empty(array.shape, array.dtype)  # as a reader decodes a block into its destination
+        layout.inverse_into(candidate, inputs[0], into)
+        assert np.array_equal(bits_of(into), before), "inverse_into differs from inverse"
 
 
 class LayoutTests:

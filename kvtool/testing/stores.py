@@ -184,8 +184,9 @@ class StoreTests:
         fetched = store.fetch("k")
         assert fetched.entry is not None and bytes(fetched.entry.value) == b"value"
         assert (fetched.key, fetched.cause, fetched.entry.tokens) == ("k", None, 3)
+        assert fetched.tier in store.tier_names and fetched.tier == store.tier_of("k")
         absent = store.fetch("absent")
-        assert (absent.key, absent.entry, absent.cause) == ("absent", None, MissCause.MISSING)
+        assert (absent.key, absent.entry, absent.cause, absent.tier) == ("absent", None, MissCause.MISSING, None)
         assert absent.cause == "missing" and absent.detail
 
     # --- tiers: every store is a stack of one or more -------------------------
@@ -247,6 +248,24 @@ class StoreTests:
         fetched = store.fetch("k")
         assert (fetched.key, fetched.entry, fetched.cause) == ("k", None, MissCause.DAMAGED) and fetched.detail
         assert store.fetch("k").cause is MissCause.MISSING  # a damaged entry is dropped
+
+    def test_a_value_checked_by_its_reader_is_not_hashed_twice(self, store: Store, caplog):
+        """``fetch(check_value=False)`` parses the record but leaves the value to a reader that checks it (a .kvz
+        checks every chunk): a flipped value byte comes back as it is, and ``drop_damaged`` then drops it."""
+        value = _payload(5000, seed=4)
+        store.put("k", value, {"tokens": 7})
+        record = bytearray(_record_of(store, "k"))
+        record[-100] ^= 0x10
+        assert store.write_record("k", bytes(record))
+        fetched = store.fetch("k", check_value=False)
+        assert fetched.entry is not None and fetched.tier in store.tier_names and fetched.entry.tokens == 7
+        assert bytes(fetched.entry.value) != value and len(fetched.entry.value) == len(value)
+        with caplog.at_level(logging.WARNING, logger="kvtool.store"):
+            store.drop_damaged("k", "chunk 3 does not match its checksum")
+        assert "chunk 3 does not match its checksum" in caplog.text
+        assert store.fetch("k").cause is MissCause.MISSING
+        store.write_record("k", b"not a record")  # a broken frame is still refused
+        assert store.fetch("k", check_value=False).cause is MissCause.DAMAGED
 
     def test_record_of_another_key_is_a_miss(self, store: Store, caplog):
         store.put("a", b"value of a")

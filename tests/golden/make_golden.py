@@ -40,7 +40,9 @@ ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-exphuff-lanes": "exphuff-lan
                  "array-ctxans": "ctxans:4c3e1df0f0bace21e0ea8cae679961b0",
                  "array-ctxtans": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0",
                  # chunk version 2 (each head's channels coded in class order); the file above holds version 1
-                 "array-ctxtans-2": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0"}
+                 "array-ctxtans-2": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0",
+                 # chunk version 3 (a state per channel of a head's groups of 64, the states holding raw bits)
+                 "array-ctxtans-3": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0"}
 PCA_BASIS = HERE / "pca-basis.kvd"
 
 

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,61 +23,11 @@ import pytest
 pytest.importorskip("lmcache", reason="LMCache is not installed here: create its environment with "
                                       "benchmarks/vs_lmcache/lmcache-env.sh")
 from chunk_objects import empty_like, kv_chunk, memory_obj  # noqa: E402  (beside this file)
-from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
-from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config  # noqa: E402
+from l2_calls import Listener, adapter_of, key, load, lookup, store  # noqa: E402
 
 from kvtool.store import open_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def key(n: int, salt: str = "", rank: int = 0) -> ObjectKey:
-    return ObjectKey(chunk_hash=n.to_bytes(16, "big"), model_name=MODEL, kv_rank=rank, cache_salt=salt)
-
-
-def adapter_of(params: dict):
-    spec = {"type": "plugin", "module_path": "kvtool.integrations.lmcache", "class_name": "KvtoolL2Adapter",
-            "adapter_params": params}
-    import argparse
-
-    config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)])).adapters[0]
-    return create_l2_adapter(config)
-
-
-def wait(query, task, fd: int, timeout: float = 60.0):
-    """The task's result once its event fd has been signalled."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = query(task)
-        if result is not None:
-            return result
-        select.select([fd], [], [], 0.05)
-    raise AssertionError(f"task {task} did not finish in {timeout} s")
-
-
-def store(adapter, keys, objs) -> dict:
-    task = adapter.submit_store_task(keys, objs)
-    fd = adapter.get_store_event_fd()
-    deadline = time.monotonic() + 60
-    done: dict = {}
-    while task not in done and time.monotonic() < deadline:
-        select.select([fd], [], [], 0.05)
-        done.update(adapter.pop_completed_store_tasks())
-    return done[task]
-
-
-def lookup(adapter, keys) -> list[bool]:
-    task = adapter.submit_lookup_and_lock_task(keys, {})
-    bitmap = wait(adapter.query_lookup_and_lock_result, task, adapter.get_lookup_and_lock_event_fd())
-    return [i in set(bitmap.get_indices_list()) for i in range(len(keys))]
-
-
-def load(adapter, keys, objs) -> list[bool]:
-    task = adapter.submit_load_task(keys, objs)
-    bitmap = wait(adapter.query_load_result, task, adapter.get_load_event_fd())
-    return [i in set(bitmap.get_indices_list()) for i in range(len(keys))]
 
 
 @pytest.fixture
@@ -140,20 +88,9 @@ def test_restart_finds_every_chunk_again(tmp_path, chunks):
         assert second.report_status()["counters"]["chunks_reindexed"] == 2
         usage = second.get_usage()
         assert set(usage.bytes_by_cache_salt) == {"a", "b"} and usage.total_bytes_used >= sizes
-        seen = []
-
-        class Listener:
-            def on_l2_keys_stored(self, keys, sizes):
-                seen.extend(keys)
-
-            def on_l2_keys_accessed(self, keys):
-                pass
-
-            def on_l2_keys_deleted(self, keys):
-                pass
-
-        second.register_listener(Listener())  # LMCache's controllers hear of the chunks found again
-        assert sorted(k.cache_salt for k in seen) == ["a", "b"]
+        listener = Listener()
+        second.register_listener(listener)  # LMCache's controllers hear of the chunks found again
+        assert sorted(k.cache_salt for k, _ in listener.stored) == ["a", "b"]
         out = empty_like(chunks[1])
         assert load(second, [key(2, "b")], [out]) == [True]
         assert bytes(out.byte_array) == bytes(chunks[1].byte_array)

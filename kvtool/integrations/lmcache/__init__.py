@@ -14,11 +14,12 @@ need neither.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 __all__ = ["KvtoolL2Adapter", "KvtoolL2AdapterConfig"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # the two classes, imported when first asked for
     if name in __all__:
         return getattr(importlib.import_module("kvtool.integrations.lmcache.adapter"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,9 +6,15 @@ keys up, load a batch into memory objects it owns; each finished task is
 signalled on that kind's event fd and collected by a poll. Here every key of a
 task is one job on a small thread pool: a store encodes the object's bytes with
 the recipe (no copy on the way in) and puts the .kvz into the store; a load gets
-the verified entry and decodes it straight into the destination object. Any
+the entry and decodes it straight into the destination object (``kvtool.entries``),
+the layers of one chunk shared by the workers a task of fewer chunks leaves idle. Any
 failure (missing, damaged, a store that is down, another layout) leaves that
 key's bit unset: LMCache then treats it as a miss and never sees wrong bytes.
+Each key succeeds or fails alone: a store task whose key failed reports failure
+(LMCache's store result is per task; it then keeps every key of it in L1), while
+its other keys are stored, reported to LMCache and counted in its usage. A
+lookup locks each hit (pins it in the store, so the store's own eviction keeps
+it) until LMCache unlocks it.
 
 The store is any kvtool store URL; with a persistent one (file, Redis) a
 restarted server finds every chunk again (``reindex``) and reports them to
@@ -33,11 +39,11 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
+from kvtool.entries import Miss, put_cache
+from kvtool.entries.names import ChunkName
 from kvtool.errors import KvtoolError
-from kvtool.integrations.lmcache.chunks import ChunkLayout
-from kvtool.integrations.lmcache.codec import LayoutMismatch, decode_chunk_into, encode_chunk
-from kvtool.integrations.lmcache.index import ChunkIndex, Counters, reindex
-from kvtool.integrations.lmcache.naming import ChunkName
+from kvtool.integrations.lmcache.chunks import ChunkLayout, restore_chunk
+from kvtool.integrations.lmcache.index import ChunkIndex, Counters, Locks, reindex
 from kvtool.integrations.lmcache.settings import OPTIONS, AdapterSettings
 from kvtool.modeldict import registry as dictionaries
 from kvtool.recipe import Recipe
@@ -53,7 +59,7 @@ class KvtoolL2AdapterConfig(L2AdapterConfigBase):
         self.settings = settings
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KvtoolL2AdapterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> "KvtoolL2AdapterConfig":
         try:
             return cls(AdapterSettings.from_params(d))
         except KvtoolError as exc:
@@ -73,6 +79,11 @@ def layout_of(obj: MemoryObj) -> ChunkLayout:
     return ChunkLayout.of([tuple(s) for s in shapes], [str(d) for d in dtypes], obj.get_size())
 
 
+def bytes_of(obj: MemoryObj) -> np.ndarray:
+    """The object's bytes as a flat uint8 array over its memory (LMCache cannot give an empty object's)."""
+    return np.frombuffer(obj.byte_array, np.uint8) if obj.get_size() else np.empty(0, np.uint8)
+
+
 def _object_key(name: ChunkName) -> ObjectKey:
     return ObjectKey(chunk_hash=name.chunk_hash, model_name=name.model, kv_rank=name.kv_rank,
                      object_group_id=name.group, cache_salt=name.salt)
@@ -81,7 +92,7 @@ def _object_key(name: ChunkName) -> ObjectKey:
 class KvtoolL2Adapter(L2AdapterInterface):
     """LMCache L2 adapter over a kvtool store; see the module docstring."""
 
-    def __init__(self, config: KvtoolL2AdapterConfig | dict, l1_memory_desc: Any = None) -> None:
+    def __init__(self, config: KvtoolL2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None) -> None:
         super().__init__()
         settings = config.settings if isinstance(config, KvtoolL2AdapterConfig) else AdapterSettings.from_params(config)
         self.settings = settings
@@ -99,6 +110,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
                 if not dicts.publish(self._store, dictionary):
                     raise KvtoolError(f"the store refused the dictionary of {self.recipe}")
             self._index: ChunkIndex[ObjectKey] = ChunkIndex()
+            self._locks = Locks(self._store)
             keys, store_keys, sizes = reindex(self._store, self.recipe, _object_key)
             for key, store_key, size in zip(keys, store_keys, sizes):
                 self._index.add(key, store_key, size)
@@ -125,13 +137,16 @@ class KvtoolL2Adapter(L2AdapterInterface):
 
     # -- event fds ---------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
-        return self._efds["store"].fileno()
+        fd: int = self._efds["store"].fileno()
+        return fd
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._efds["lookup"].fileno()
+        fd: int = self._efds["lookup"].fileno()
+        return fd
 
     def get_load_event_fd(self) -> int:
-        return self._efds["load"].fileno()
+        fd: int = self._efds["load"].fileno()
+        return fd
 
     # -- tasks -----------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -169,7 +184,11 @@ class KvtoolL2Adapter(L2AdapterInterface):
             return self._done_lookups.pop(task_id, None)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        """Nothing to do: entries are not locked. An entry evicted between lookup and load makes that load a miss."""
+        """Release one lock of each key (a key locked by several lookups stays pinned until the last unlock).
+
+        Never fails: a key not locked, or a store closed meanwhile, is nothing to release."""
+        for key in keys:
+            self._locks.release(self._name(key).key)
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         task = self._new_task()
@@ -180,7 +199,9 @@ class KvtoolL2Adapter(L2AdapterInterface):
             loaded = [key for key, ok in zip(keys, results) if ok]
             if loaded:
                 self._notify_keys_accessed(loaded)
-        self._run(len(keys), lambda i: self._load_one(keys[i], objects[i]), finish, "load")
+        # a task of fewer chunks than workers: each chunk's layers shared by the workers left over
+        threads = max(1, self.settings.workers // max(1, len(keys)))
+        self._run(len(keys), lambda i: self._load_one(keys[i], objects[i], threads), finish, "load")
         return task
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -245,59 +266,60 @@ class KvtoolL2Adapter(L2AdapterInterface):
                 log.warning("kvtool L2 adapter: chunks shaped %s (%s) are not one KV tensor [2, layers, tokens, "
                             "hidden] of a float type; they are kept as bytes, at a lower ratio",
                             [list(s) for s in (meta.shapes or [meta.shape])], meta.dtypes or [meta.dtype])
-            blob = encode_chunk(np.frombuffer(obj.byte_array, np.uint8), layout, self.recipe, key.model_name)
-            if not self._store.put(name.key, blob, name.meta(layout.tokens, layout.nbytes)):
-                self.counters.add("store_failures", label="refused")
-                return False, 0
+            cache = layout.cache(bytes_of(obj), key.model_name)
+            put = put_cache(self._store, name.key, cache, self.recipe, meta=name.meta())
         except KvtoolError as exc:
             log.warning("kvtool L2 adapter: cannot store chunk %s: %s", name.key, exc)
             self.counters.add("store_failures", label="encode")
             return False, 0
-        self._index.add(key, name.key, len(blob))
+        if not put.stored:
+            if put.cause == "encode":
+                log.warning("kvtool L2 adapter: cannot store chunk %s: %s", name.key, put.detail)
+            self.counters.add("store_failures", label=put.cause)
+            return False, 0
+        if not self._index.add(key, name.key, put.stored_bytes):  # stored meanwhile by another task: counted there
+            self.counters.add("chunks_already_stored")
+            return True, 0
         self.counters.add("chunks_stored", label=layout.kind)
         self.counters.add("stored_raw_bytes", layout.nbytes)
-        self.counters.add("stored_bytes", len(blob))
+        self.counters.add("stored_bytes", put.stored_bytes)
         self.counters.add("store_cpu_seconds", time.thread_time() - cpu)
         self.counters.add("store_wall_seconds", time.perf_counter() - wall)
-        return True, len(blob)
+        return True, put.stored_bytes
 
     def _lookup(self, keys: list[ObjectKey]) -> list[bool]:
+        """Which keys the store holds, each hit locked (pinned in the store) until ``submit_unlock``."""
         store_keys = [self._name(key).key for key in keys]
         try:
-            found = self._store.contains_many(store_keys)
+            held = self._store.contains_many(store_keys)
         except KvtoolError as exc:
             log.warning("kvtool L2 adapter: lookup failed (%s); answering misses", exc)
-            found = [False] * len(keys)
+            held = [False] * len(keys)
+        found = [bool(hit) and self._locks.take(store_key) for hit, store_key in zip(held, store_keys)]
         self.counters.add("lookups", len(keys))
         self.counters.add("lookup_hits", sum(found))
         return list(found)
 
-    def _load_one(self, key: ObjectKey, obj: MemoryObj) -> bool:
+    def _load_one(self, key: ObjectKey, obj: MemoryObj, threads: int = 1) -> bool:
         name = self._name(key)
         cpu, wall = time.thread_time(), time.perf_counter()
-        cause = None
         try:
             layout = layout_of(obj)
-            fetched = self._store.fetch(name.key)
-            entry = fetched.entry
-            if entry is None:
-                cause = fetched.cause.value if fetched.cause is not None else "missing"
-            else:
-                decode_chunk_into(entry.value, layout, np.frombuffer(obj.byte_array, np.uint8))
-        except LayoutMismatch:
-            cause = "mismatch"
-        except KvtoolError as exc:
-            cause = "decode_error"
-            log.warning("kvtool L2 adapter: chunk %s does not decode (%s); a miss", name.key, exc)
-        except (TypeError, ValueError) as exc:  # a destination that is not writable memory
-            cause = "mismatch"
+            out = bytes_of(obj)
+        except (KvtoolError, TypeError, ValueError) as exc:  # a destination that is not writable memory
             log.warning("kvtool L2 adapter: cannot write chunk %s into its destination (%s); a miss", name.key, exc)
-        if cause is not None:
-            self.counters.add("load_failures", label=cause)
+            self.counters.add("load_failures", label="mismatch")
+            return False
+        restored = restore_chunk(self._store, name.key, layout, out, threads=threads)
+        if not restored.ok:
+            assert restored.miss is not None
+            if restored.miss.value in ("damaged", "undecodable"):
+                log.warning("kvtool L2 adapter: chunk %s is %s (%s); a miss", name.key, restored.miss.value, restored.detail)
+            self.counters.add("load_failures", label=_LOAD_FAILURE[restored.miss])
             return False
         self.counters.add("chunks_loaded")
         self.counters.add("loaded_raw_bytes", layout.nbytes)
-        self.counters.add("loaded_bytes", entry.size if entry is not None else 0)
+        self.counters.add("loaded_bytes", restored.stored_bytes)
         self.counters.add("load_cpu_seconds", time.thread_time() - cpu)
         self.counters.add("load_wall_seconds", time.perf_counter() - wall)
         return True
@@ -311,6 +333,7 @@ class KvtoolL2Adapter(L2AdapterInterface):
             except KvtoolError as exc:
                 log.warning("kvtool L2 adapter: cannot delete a chunk (%s)", exc)
                 continue
+            self._locks.forget(self._name(key).key)
             size = self._index.pop(key)
             if size is not None:
                 deleted.append(key)
@@ -339,10 +362,11 @@ class KvtoolL2Adapter(L2AdapterInterface):
             listener.on_l2_keys_stored(keys, sizes)
 
     # -- status and lifecycle ----------------------------------------------------------------
-    def report_status(self) -> dict:
+    def report_status(self) -> dict[str, Any]:
         status: dict[str, Any] = {
             "is_healthy": not self._closed, "type": type(self).__name__, "store": self._store.describe(),
             "recipe": self.recipe, "workers": self.settings.workers, "chunks_indexed": len(self._index),
+            "chunks_locked": len(self._locks),
             "counters": self.counters.snapshot(),
         }
         try:
@@ -362,6 +386,11 @@ class KvtoolL2Adapter(L2AdapterInterface):
         for efd in self._efds.values():
             efd.close()
         log.info("kvtool L2 adapter closed")
+
+
+#: How a restore's miss is counted among the load failures (``load_failures|<label>``).
+_LOAD_FAILURE = {Miss.MISSING: "missing", Miss.DAMAGED: "damaged", Miss.UNREACHABLE: "unreachable",
+                 Miss.MISMATCH: "mismatch", Miss.UNDECODABLE: "decode_error"}
 
 
 def _bitmap(results: list[Any]) -> Bitmap:

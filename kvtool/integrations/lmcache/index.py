@@ -1,4 +1,4 @@
-"""What the adapter knows its store holds, and what it has counted; both thread-safe.
+"""What the adapter knows its store holds, the entries LMCache has locked, and what it has counted; thread-safe.
 
 LMCache keeps per-salt byte totals and, for some policies, its own view of the
 L2 keys; the adapter tells it of every chunk it stores, deletes or finds again
@@ -12,7 +12,8 @@ import logging
 import threading
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
-from kvtool.integrations.lmcache.naming import PREFIX, ChunkName
+from kvtool.entries.names import LMCACHE_PREFIX, ChunkName
+from kvtool.errors import KvtoolError
 from kvtool.store import Store
 
 log = logging.getLogger("kvtool.lmcache")
@@ -61,6 +62,53 @@ class ChunkIndex(Generic[K]):
             return len(self._by_key)
 
 
+class Locks:
+    """LMCache's locks on entries between a lookup and the load that follows: a locked entry is pinned in the store
+    (no eviction of the store's own takes it) until as many unlocks as locks have come."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def take(self, store_key: str) -> bool:
+        """Lock an entry the store holds; False if it is gone (then it is no hit)."""
+        with self._lock:
+            if self._counts.get(store_key, 0) > 0:
+                self._counts[store_key] += 1
+                return True
+            try:
+                pinned = self._store.pin(store_key)
+            except KvtoolError as exc:
+                log.warning("kvtool L2 adapter: cannot lock a chunk (%s)", exc)
+                return False
+            if pinned:
+                self._counts[store_key] = 1
+            return pinned
+
+    def release(self, store_key: str) -> None:
+        with self._lock:
+            left = self._counts.get(store_key, 0) - 1
+            if left > 0:
+                self._counts[store_key] = left
+                return
+            if self._counts.pop(store_key, None) is None:
+                return
+            try:
+                self._store.unpin(store_key)
+            except KvtoolError as exc:  # a closed store: nothing left to hold
+                log.debug("kvtool L2 adapter: unlocking a chunk: %s", exc)
+
+    def forget(self, store_key: str) -> None:
+        """A deleted entry holds no lock any more."""
+        with self._lock:
+            self._counts.pop(store_key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)
+
+
 def reindex(store: Store, recipe: str, make_key: Callable[[ChunkName], K]) -> tuple[list[K], list[str], list[int]]:
     """The chunks of ``recipe`` a store holds (from entry metadata alone): keys, store keys, record sizes.
 
@@ -69,7 +117,7 @@ def reindex(store: Store, recipe: str, make_key: Callable[[ChunkName], K]) -> tu
     """
     found: tuple[list[K], list[str], list[int]] = ([], [], [])
     for store_key in store.keys():
-        if not store_key.startswith(PREFIX):
+        if not store_key.startswith(LMCACHE_PREFIX):
             continue
         info = store.info(store_key)
         name = None if info is None else ChunkName.from_meta(store_key, info.meta)

@@ -44,8 +44,9 @@ class AdapterSettings:
         if dictionary is not None:
             if not isinstance(dictionary, str) or not Path(dictionary).is_file():
                 raise UsageError(f"kvtool L2 adapter: 'dictionary' must be a .kvd file, not {dictionary!r}")
-            if Recipe.parse(recipe).codec.codec_id not in ("ctxans", "ctxtans"):
-                raise UsageError(f"kvtool L2 adapter: a dictionary needs a ctxans or ctxtans recipe, not {recipe!r}")
+            if not Recipe.parse(recipe).codec.uses_dictionary:
+                raise UsageError(f"kvtool L2 adapter: a dictionary needs a recipe whose codec codes with one (such as "
+                                 f"ctxtans), not {recipe!r}")
         workers = params.get("workers", 2)
         if type(workers) is not int or not 1 <= workers <= MAX_WORKERS:
             raise UsageError(f"kvtool L2 adapter: 'workers' must be 1 to {MAX_WORKERS}, not {workers!r}")

@@ -9,7 +9,9 @@ restore, so vLLM recomputes them. The plan travels from one to the other in
 (vLLM's default on its CPU build and with several workers): they meet in the
 store's shared tiers (file, Redis). Both report what they do through vLLM's
 KV-connector stats (``stats``, ``metrics``): vLLM's periodic log line and
-``/metrics``.
+``/metrics``. It takes part in vLLM's hybrid KV cache allocation (``SupportsHMA``):
+a model with several KV cache groups keeps one block table per group, and
+sliding-window groups keep only the blocks inside the window (``kv_groups``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvtool.integrations.vllm import SUPPORTED_VLLM
@@ -51,12 +55,13 @@ class KvtoolConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-class KvtoolConnector(KVConnectorBase_V1):
+class KvtoolConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         _check_vllm_version()
-        context = ConnectorContext.from_vllm(vllm_config, self._kv_transfer_config.kv_connector_extra_config)
+        context = ConnectorContext.from_vllm(vllm_config, self._kv_transfer_config.kv_connector_extra_config,
+                                             kv_cache_config)
         self.connector_scheduler: KvtoolScheduler | None = None
         self.connector_worker: KvtoolWorker | None = None
         self._side: ConnectorSide
@@ -88,11 +93,19 @@ class KvtoolConnector(KVConnectorBase_V1):
         return KvtoolConnectorMetadata(self.scheduler.build_step_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """Blocks that failed to restore are recomputed by vLLM: save them again afterwards."""
+        """Blocks or requests that failed to restore are recomputed by vLLM: save them again afterwards."""
         if connector_output.invalid_block_ids:
             self.scheduler.blocks_failed(connector_output.invalid_block_ids)
+        if getattr(connector_output, "failed_recving", None):
+            self.scheduler.loads_failed(set(connector_output.failed_recving))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.scheduler.request_finished(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.request_finished(request.request_id)
         return False, None
 
@@ -116,6 +129,11 @@ class KvtoolConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The asynchronous loads this step completed, and those of them that failed."""
+        finished, failed = self.worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
             return None
@@ -134,7 +152,7 @@ class KvtoolConnector(KVConnectorBase_V1):
         return KvtoolConnectorStats.from_payload(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KvtoolPromMetrics:
         return KvtoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

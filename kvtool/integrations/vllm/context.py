@@ -1,7 +1,8 @@
 """What both halves of the connector derive from vLLM's configuration, and what each half shares in shape.
 
 The scheduler half and the worker half are built from one ``ConnectorContext``
-(settings, the entry namer, the model's KV facts), each opens the process's
+(settings, the entry namer, the model's KV facts and KV cache groups, and why
+kvtool restores nothing for the model, if it does not), each opens the process's
 store for the configured URL, and each counts what it does into its own
 ``StatsCollector`` and logs its totals once, at shutdown or on the signal that
 ends the process. Nothing here imports vLLM or torch: vLLM's config objects are
@@ -20,11 +21,12 @@ from typing import Any, Mapping
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm import shared_store
+from kvtool.integrations.vllm.kv_groups import ModelKV, recipe_problem
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, empty, merge, summary
 from kvtool.recipe import Recipe
 from kvtool.store import Store
-from kvtool.store.prefixes import EntryNamer
+from kvtool.entries.names import EntryNamer
 
 log = logging.getLogger("kvtool.vllm")
 
@@ -42,9 +44,12 @@ class ConnectorContext:
     namer: EntryNamer
     facts: ModelFacts
     executor: Any  # vLLM's distributed_executor_backend ("uni": scheduler and workers in one process)
+    kv: ModelKV
+    refusal: str | None = None  # why kvtool restores nothing for this model: it then claims and saves nothing
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, extra: Mapping[str, Any] | None) -> "ConnectorContext":
+    def from_vllm(cls, vllm_config: Any, extra: Mapping[str, Any] | None, kv_cache_config: Any = None) -> "ConnectorContext":
+        """``kv_cache_config``: the ``KVCacheConfig`` vLLM hands every connector (its KV cache groups)."""
         settings = ConnectorSettings.from_extra_config(extra)
         cache, model, parallel = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -71,8 +76,14 @@ class ConnectorContext:
                 "process, so entries saved by one vLLM process are never found by another",
                 cache.prefix_caching_hash_algo,
             )
+        kv = ModelKV.from_vllm(vllm_config, kv_cache_config)
+        refusal = kv.refusal
+        if refusal is None and kv.dtype is not None:
+            problem = recipe_problem(namer.recipe, kv.dtype)
+            if problem is not None:
+                raise UsageError(f"{problem}; choose another recipe for this KV cache")
         return cls(settings, cache.block_size, settings.blocks_per_entry(cache.block_size), namer, facts,
-                   parallel.distributed_executor_backend)
+                   parallel.distributed_executor_backend, kv, refusal)
 
 
 class ConnectorSide(ABC):
@@ -84,11 +95,11 @@ class ConnectorSide(ABC):
         self.context = context
         self.store = _open_store(context, self.side)
         self.stats = StatsCollector()
-        self._totals: dict = empty()
+        self._totals: dict[str, Any] = empty()
         self._totals_logged = False
         self._closed = False
 
-    def take_stats(self) -> dict | None:
+    def take_stats(self) -> dict[str, Any] | None:
         """What this half counted since the last call (None if nothing), added to its totals."""
         data = self.stats.take()
         if data is not None:
@@ -103,7 +114,7 @@ class ConnectorSide(ABC):
         self._log_summary(summary(self._totals))
 
     @abstractmethod
-    def _log_summary(self, done: dict) -> None:
+    def _log_summary(self, done: dict[str, Any]) -> None:
         """Log this half's totals (``done``) in its own words."""
 
     def shutdown(self) -> None:

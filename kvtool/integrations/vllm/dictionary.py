@@ -1,7 +1,7 @@
 """The connector's model dictionary: given in its config, or learnt from the first entries it saves.
 
-The ``dictionary`` setting (with a ``ctxans`` or ``ctxtans`` recipe: the codecs that code
-with a model dictionary) is a ``.kvd`` file to code
+The ``dictionary`` setting (with a recipe whose codec codes with a model dictionary:
+``ctxans``, ``ctxtans``) is a ``.kvd`` file to code
 entries with, or ``train`` / ``train:TOKENS``: code with the recipe as given
 until the connector has saved TOKENS tokens (default 2048), learn a dictionary
 from them on a background thread, then code with it. Either way the dictionary
@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from kvtool.cache import KVCache, ModelFacts
+from kvtool.codecs.dictionary_codec import DictionaryCodec
 from kvtool.errors import UsageError
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import Dictionary
@@ -32,8 +33,6 @@ from kvtool.store import Store, dicts
 log = logging.getLogger("kvtool.vllm")
 
 DEFAULT_TRAIN_TOKENS = 2048
-#: The codecs that code with a model dictionary (the recipe names it as ``CODEC:ID``).
-DICTIONARY_CODECS = ("ctxans", "ctxtans")
 
 
 def check_setting(setting: str | None, recipe: str) -> None:
@@ -42,8 +41,9 @@ def check_setting(setting: str | None, recipe: str) -> None:
         return
     if not isinstance(setting, str):
         raise UsageError(f"dictionary must be a .kvd file or 'train[:TOKENS]', not {setting!r}")
-    if Recipe.parse(recipe).codec.codec_id not in DICTIONARY_CODECS:
-        raise UsageError(f"the dictionary option needs a {' or '.join(DICTIONARY_CODECS)} recipe, not {recipe!r}")
+    if not Recipe.parse(recipe).codec.uses_dictionary:
+        raise UsageError(f"the dictionary option needs a recipe whose codec codes with a model dictionary (such as "
+                         f"ctxtans), not {recipe!r}")
     if setting.startswith("train"):
         _train_tokens(setting)
     elif not Path(setting).is_file():
@@ -111,4 +111,4 @@ def dictionaries_of(recipe: str) -> list[Dictionary]:
     """The model dictionaries ``recipe`` codes with (none for most recipes)."""
     parsed = Recipe.parse(recipe)
     coders = [parsed.codec, *parsed.plane_codecs.values()]
-    return [coder.dictionary() for coder in coders if hasattr(coder, "dictionary")]
+    return [coder.dictionary() for coder in coders if isinstance(coder, DictionaryCodec)]

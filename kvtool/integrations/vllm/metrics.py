@@ -51,7 +51,7 @@ class KvtoolConnectorStats(KVConnectorStats):
 class KvtoolPromMetrics(KVConnectorPromMetrics):
     """Every series of ``METRICS`` as ``kvtool_*``, with vLLM's per-engine labels (model, engine)."""
 
-    def __init__(self, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}

@@ -15,20 +15,40 @@ kv_heads, head_dim]`` tensor; that shape is recognised too. Any other shape
 is refused with a clear error rather than guessed at.
 
 Both K and V come out as ``[num_blocks, kv_heads, block_size, head_dim]``
-views of the same storage, so writing into them writes vLLM's cache.
+views of the same storage, so writing into them writes vLLM's cache. A block
+id ``SKIPPED`` (a block vLLM does not keep, outside a sliding window) is left
+out of every copy into the cache. An fp8 cache, which vLLM's CPU backend
+allocates as bytes, is viewed as its fp8 type (``typed``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
+from kvtool.destinations import Rows
 from kvtool.errors import UsageError
-from kvtool.torchbits import from_numpy, numpy_dtype, to_numpy
+from kvtool.integrations.vllm.kv_groups import SKIPPED
+from kvtool.torchbits import PagedViews, from_numpy, numpy_dtype, to_numpy
 
-__all__ = ["from_numpy", "gather_blocks", "kv_views", "numpy_dtype", "row_offsets", "scatter_blocks", "storage_bytes", "to_numpy"]
+if TYPE_CHECKING:
+    from kvtool.integrations.vllm.plan import BlockTable
+
+__all__ = ["from_numpy", "gather_blocks", "grouped_blocks", "kv_views", "numpy_dtype", "scatter_blocks", "to_numpy",
+           "typed"]
+
+#: kvtool's fp8 dtypes -> torch's, for caches vLLM allocates as bytes.
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def typed(layer: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A layer's paged tensor as kvtool dtype ``dtype``: vLLM's CPU backend keeps an fp8 cache as ``uint8``."""
+    if layer.dtype == torch.uint8 and dtype in _FP8:
+        return layer.view(_FP8[dtype])
+    return layer
+
 
 def kv_views(layer: torch.Tensor, backend: str, head_dim: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's paged tensor."""
@@ -57,33 +77,29 @@ def gather_blocks(view: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
 
 
 def scatter_blocks(view: torch.Tensor, block_ids: Sequence[int], array: torch.Tensor) -> None:
-    """Write ``array`` (``[kv_heads, len(block_ids) * block_size, head_dim]``) into blocks ``block_ids``."""
+    """Write ``array`` (``[kv_heads, len(block_ids) * block_size, head_dim]``) into blocks ``block_ids``
+    (those that are not ``SKIPPED``)."""
     n = len(block_ids)
     _, heads, block, dim = view.shape
     if tuple(array.shape) != (heads, n * block, dim):
         raise UsageError(f"restored KV has shape {list(array.shape)}, blocks need {[heads, n * block, dim]}")
-    blocks = array.view(heads, n, block, dim).permute(1, 0, 2, 3).to(view.device, non_blocking=True)
-    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=view.device)
-    view.index_copy_(0, index, blocks)
+    blocks = array.view(heads, n, block, dim).permute(1, 0, 2, 3)
+    kept = [i for i, b in enumerate(block_ids) if b != SKIPPED]
+    if len(kept) < n:
+        blocks = blocks[kept]
+    index = torch.as_tensor([block_ids[i] for i in kept], dtype=torch.long, device=view.device)
+    view.index_copy_(0, index, blocks.to(view.device, non_blocking=True))
 
 
-def storage_bytes(view: torch.Tensor) -> np.ndarray:
-    """The whole storage under a CPU tensor view, as a writable flat byte array sharing its memory."""
-    whole = torch.empty(0, dtype=torch.uint8, device=view.device).set_(view.untyped_storage())
-    return whole.numpy()
-
-
-def row_offsets(view: torch.Tensor, block_ids: Sequence[int], tokens: int, skip: int = 0) -> np.ndarray:
-    """Byte offsets ``[kv_heads, tokens]`` in ``storage_bytes(view)`` of each token's row of a K or V view
-    ``[num_blocks, kv_heads, block_size, head_dim]``, for the blocks ``block_ids`` in order; the first
-    ``skip`` tokens get -1 (left out)."""
-    if view.stride(3) != 1:
-        raise UsageError(f"paged KV rows are not contiguous (strides {list(view.stride())})")
-    block_size = view.shape[2]
-    t = np.arange(tokens)
-    ids = np.asarray(list(block_ids), dtype=np.int64)[t // block_size]
-    elems = (view.storage_offset() + ids[None, :] * view.stride(0) + np.arange(view.shape[1])[:, None] * view.stride(1)
-             + (t % block_size)[None, :] * view.stride(2))
-    offsets = elems * view.element_size()
-    offsets[:, :skip] = -1
-    return offsets
+def grouped_blocks(paged: PagedViews, groups: Sequence[int], block_ids: "BlockTable", block_size: int,
+                   picked: Sequence[int]) -> Rows:
+    """A restore destination where views ``picked`` (of ``paged``) belong to KV cache groups ``groups`` (one each):
+    each view's tokens fill its group's list of ``block_ids`` in order, those of ``SKIPPED`` blocks left out."""
+    table = np.empty((len(picked), paged.heads, len(block_ids[0]) * block_size), np.int64)
+    for group in sorted(set(groups)):
+        ids = list(block_ids[group])
+        views = [i for i, g in enumerate(groups) if g == group]
+        rows = paged.blocks([max(b, 0) for b in ids], 0, [picked[i] for i in views]).table
+        rows[:, :, np.repeat(np.asarray(ids) == SKIPPED, block_size)] = -1
+        table[views] = rows
+    return Rows(paged.targets, table, [paged.target_of[v] for v in picked])

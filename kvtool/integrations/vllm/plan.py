@@ -1,34 +1,69 @@
 """Scheduler-side planning: which stored entries a request restores into which blocks, and which blocks to save.
 
 Pure Python (no vLLM, no torch), so it is unit-tested with fake requests.
-Entries are named and found by ``kvtool.store.prefixes`` (``EntryNamer``,
+Entries are named and found by ``kvtool.entries.names`` (``EntryNamer``,
 ``find_stored_prefix``); this module turns what was found into per-step jobs.
+A job names its paged blocks per KV cache group (``kv_groups``): one list per
+group, the same blocks of the prompt in each, ``SKIPPED`` where vLLM keeps no
+block for that group (outside a sliding window).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from numbers import Integral
+from typing import Sequence, cast
 
-from kvtool.store.prefixes import EntryNamer, EntrySpan
+from kvtool.entries.names import EntryNamer, EntrySpan
+from kvtool.integrations.vllm.kv_groups import NULL_BLOCK, SKIPPED
+
+#: A request's paged blocks, one list per KV cache group (a single list is read as one group's).
+BlockTable = tuple[list[int], ...]
+
+
+def block_table(block_ids: Sequence[Sequence[int]] | Sequence[int]) -> BlockTable:
+    """One list per group; a flat list of ints is one group's."""
+    if all(isinstance(b, Integral) for b in block_ids):
+        return ([int(cast(Integral, b)) for b in block_ids],)
+    return tuple(list(cast("Sequence[int]", ids)) for ids in block_ids)
+
+
+def kept(block_ids: Sequence[int]) -> list[int]:
+    """vLLM's block ids with its null block (one it does not keep) as ``SKIPPED``."""
+    return [SKIPPED if b == NULL_BLOCK else b for b in block_ids]
 
 
 @dataclass
 class LoadJob:
-    """Restore ``entry_id``'s blocks ``first_block ..`` into the paged blocks ``block_ids``."""
+    """Restore ``entry_id``'s blocks ``first_block ..`` into the paged blocks ``block_ids`` (per group)."""
 
     entry_id: str
     num_blocks: int  # blocks the entry holds
     first_block: int  # first of them to copy (earlier ones vLLM already has)
-    block_ids: list[int]
+    block_ids: BlockTable
+
+    def __post_init__(self) -> None:
+        self.block_ids = block_table(self.block_ids)
+
+    @property
+    def restored_blocks(self) -> int:
+        """Blocks of the prompt this job covers (some may be ``SKIPPED`` in some groups)."""
+        return len(self.block_ids[0])
+
+    def written_blocks(self) -> set[int]:
+        """The paged blocks this job writes, in every group."""
+        return {b for ids in self.block_ids for b in ids if b != SKIPPED}
 
 
 @dataclass
 class SaveJob:
-    """Store the paged blocks ``block_ids`` (all of one entry) as ``entry_id``."""
+    """Store the paged blocks ``block_ids`` (per group, all of one entry) as ``entry_id``."""
 
     entry_id: str
-    block_ids: list[int]
+    block_ids: BlockTable
+
+    def __post_init__(self) -> None:
+        self.block_ids = block_table(self.block_ids)
 
 
 @dataclass
@@ -43,18 +78,20 @@ class StepPlan:
 
 
 def load_jobs(
-    spans: Sequence[EntrySpan], local_blocks: int, block_ids: Sequence[int], limit_blocks: int | None = None
+    spans: Sequence[EntrySpan], local_blocks: int, block_ids: Sequence[Sequence[int]] | Sequence[int],
+    limit_blocks: int | None = None,
 ) -> list[LoadJob]:
     """Jobs restoring the blocks of ``spans`` from ``local_blocks`` (what vLLM already holds) to ``limit_blocks``.
 
-    ``block_ids`` are all the request's paged blocks, in token order.
+    ``block_ids`` are all the request's paged blocks, in token order, per group (``block_table``).
     """
-    limit = min(len(block_ids), limit_blocks if limit_blocks is not None else len(block_ids))
+    table = block_table(block_ids)
+    limit = min(min(len(ids) for ids in table), limit_blocks if limit_blocks is not None else len(table[0]))
     jobs = []
     for span in spans:
         first, end = max(span.start, local_blocks), min(span.end, limit)
         if first < end:
-            jobs.append(LoadJob(span.entry_id, span.num_blocks, first - span.start, list(block_ids[first:end])))
+            jobs.append(LoadJob(span.entry_id, span.num_blocks, first - span.start, tuple(ids[first:end] for ids in table)))
     return jobs
 
 
@@ -92,7 +129,7 @@ class RequestState:
     prompt_tokens: int
     local_tokens: int = 0  # vLLM's own prefix-cache hit at lookup
     stored: list[EntrySpan] = field(default_factory=list)  # found in the store at lookup
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: BlockTable = ()  # per group, ``SKIPPED`` where vLLM keeps no block
     saved_blocks: int = 0  # blocks before this are stored or already planned
 
     def restored_blocks(self) -> int:

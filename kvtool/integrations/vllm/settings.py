@@ -9,7 +9,7 @@ from kvtool.errors import UsageError
 from kvtool.integrations.vllm.dictionary import check_setting as check_dictionary
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store.file import default_path
-from kvtool.store.prefixes import blocks_per_entry
+from kvtool.entries.names import blocks_per_entry
 from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
 
 
@@ -44,7 +44,7 @@ class ConnectorSettings:
     model_id: str | None = None
     overlap: bool | None = None
     write_behind: int = DEFAULT_WRITE_BEHIND
-    api: dict | None = None
+    api: dict[str, Any] | None = None
     dictionary: str | None = None
 
     @classmethod

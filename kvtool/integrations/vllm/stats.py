@@ -53,6 +53,8 @@ METRICS = {m.name: m for m in (
     Metric("store_read_bytes", "counter", "Bytes read from each store tier.", "tier"),
     Metric("store_written_bytes", "counter", "Bytes written to each store tier.", "tier"),
     Metric("store_evictions", "counter", "Entries each store tier removed to stay within capacity.", "tier"),
+    Metric("store_put_refused", "counter", "Writes each store tier's server refused for lack of memory, even after "
+                                           "room was made (Redis OOM).", "tier"),
     Metric("restore_seconds", "histogram", "Restore of one engine step: fetch, decode and copy, wall time."),
     Metric("restore_fetch_seconds", "histogram", "Reading a step's entries from the store."),
     Metric("restore_decode_seconds", "histogram", "Decompressing a step's entries."),
@@ -65,7 +67,8 @@ METRICS = {m.name: m for m in (
     Metric("write_behind_queued", "gauge", "Entries waiting for their copy in a persistent tier."),
 )}
 # store.stats() keys -> the payload's per-tier counters and gauges
-_TIER_COUNTERS = {"bytes_read": "store_read_bytes", "bytes_stored": "store_written_bytes", "evictions": "store_evictions"}
+_TIER_COUNTERS = {"bytes_read": "store_read_bytes", "bytes_stored": "store_written_bytes", "evictions": "store_evictions",
+                  "put_refused": "store_put_refused"}
 _TIER_GAUGES = {"entries": "store_entries", "used_bytes": "store_used_bytes", "capacity_bytes": "store_capacity_bytes"}
 
 
@@ -110,14 +113,14 @@ class StatsCollector:
         if behind is not None:
             self.gauge("write_behind_queued", behind["queued"])
 
-    def take(self) -> dict[str, dict] | None:
+    def take(self) -> dict[str, dict[str, Any]] | None:
         """The stats since the last call (None if nothing happened), and start counting afresh."""
         with self._lock:
             data, self._data = self._data, empty()
         return None if is_empty(data) else data
 
 
-def empty() -> dict[str, dict]:
+def empty() -> dict[str, dict[str, Any]]:
     return {"counts": {}, "samples": {}, "gauges": {}}
 
 

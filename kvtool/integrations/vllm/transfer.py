@@ -1,21 +1,20 @@
-"""Worker-side moves between a kvtool store and vLLM's paged KV tensors.
+"""Worker-side moves between a kvtool store and vLLM's paged KV tensors, through ``kvtool.entries``.
 
-``Restore`` fetches a step's entries and decodes them layer by layer on a
-background thread; the model's forward pass waits only for the layer it is
-about to run (``copy_layer``), so decoding layer ``i + 1`` overlaps computing
-layer ``i``. The copy into the paged tensor happens on the caller's thread,
-ordered with the model's own work on any device.
+``Restore`` opens a step's entries (one fetch each, ``entries.open_entry``) and
+restores them into the paged tensors. On a CPU cache restored before the
+forward pass, each entry decodes straight into its paged blocks at once. With
+overlap, a background thread decodes layer by layer while the model runs, and
+the forward pass waits only for the layer it is about to run (``copy_layer``):
+on a CPU cache each layer decodes straight into the pages; on CUDA, entries the
+GPU decodes (a recipe whose codec ``gpu_decodes``) go to the GPU pages stored
+and are decoded there, layer by layer on side streams (``kvtool.gpu.pages``),
+and other entries decode on the CPU into pinned staging in block order, which
+``copy_layer`` moves to the device and scatters there.
 
 ``Capture`` copies a step's finished prompt blocks out of the paged tensors
-right after each layer is written; ``encode_and_store`` then compresses and
-stores them off the forward path. The copies are taken before the step ends,
-so vLLM may reuse the blocks at once.
-
-On CUDA, entries the GPU decodes (``exphuff-lanes``) go from pinned memory to
-the device and are decoded there into the paged blocks, layer by layer on side
-streams (``kvtool.gpu.restore``), the forward pass's stream waiting on the
-device; other entries take the CPU decode. Capture copies to pinned memory on
-a side stream.
+right after each layer is written; ``encode_and_store`` then codes and stores
+them off the forward path (``entries.put_cache``). The copies are taken before
+the step ends, so vLLM may reuse the blocks at once.
 
 A restore that fails for any reason (entry missing or damaged, a store that
 is down, an entry that does not fit the model) marks the blocks of that entry
@@ -25,6 +24,7 @@ to vLLM, which recomputes them. Wrong KV is never left for the model to use.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,58 +34,90 @@ from typing import TYPE_CHECKING, Callable, Sequence, cast
 import numpy as np
 import torch
 
-from kvtool.cache import KVCache, ModelFacts
-from kvtool.kvz import KvzReader, encode_cache
-from kvtool.errors import KvtoolError
 from kvtool import gpu
+from kvtool.cache import KVCache, ModelFacts
+from kvtool.destinations import Destination
+from kvtool.dtypes import dtype_of
+from kvtool.entries import Expected, Miss, Opened, Restored, open_entry, put_cache
 from kvtool.integrations.vllm.device_capture import DeviceCapture
-from kvtool.integrations.vllm.stats import StatsCollector
-from kvtool.integrations.vllm.paged import from_numpy, gather_blocks, row_offsets, scatter_blocks, storage_bytes, to_numpy
+from kvtool.integrations.vllm.kv_groups import SKIPPED
+from kvtool.integrations.vllm.paged import gather_blocks, grouped_blocks, to_numpy
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
-from kvtool.store import MissCause, Store
-
-# How a store's reason for a miss is counted among the restore failures (``stats.FAILURE_CAUSES``).
-FAILURE_OF_MISS = {MissCause.MISSING: "missing", MissCause.DAMAGED: "damaged", MissCause.UNREACHABLE: "store_error"}
+from kvtool.integrations.vllm.stats import StatsCollector
+from kvtool.store import Store
+from kvtool.torchbits import PagedViews, numpy_dtype, paged_blocks
 
 if TYPE_CHECKING:
-    from kvtool.gpu.restore import LayerwiseDecode
+    from kvtool.gpu.pages import GpuEntryPages, GpuPages
+
+#: How a restore's miss is counted among the restore failures (``stats.FAILURE_CAUSES``).
+FAILURE_OF_MISS = {Miss.MISSING: "missing", Miss.DAMAGED: "damaged", Miss.UNREACHABLE: "store_error",
+                   Miss.MISMATCH: "mismatch", Miss.UNDECODABLE: "decode_error"}
 
 log = logging.getLogger("kvtool.vllm")
 
 
 @dataclass
 class PagedLayers:
-    """The registered layers, in model order, as K/V block views."""
+    """The registered layers, in model order, as K/V block views, with the KV cache group of each
+    (the index of its block list in a job's ``block_ids``; all 0 when not given)."""
 
     names: list[str]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     block_size: int
     dtype: torch.dtype
+    groups: list[int] = field(default_factory=list)
 
     def index(self, name: str) -> int:
         return self._positions[name]
+
+    def group(self, index: int) -> int:
+        return self.groups[index] if self.groups else 0
 
     def __post_init__(self) -> None:
         self._positions = {name: i for i, name in enumerate(self.names)}
 
     @property
     def heads(self) -> int:
-        return self.keys[0].shape[1]
+        return int(self.keys[0].shape[1])
 
     @property
     def head_dim(self) -> int:
-        return self.keys[0].shape[3]
+        return int(self.keys[0].shape[3])
+
+    @functools.cached_property
+    def on_cpu(self) -> bool:
+        return all(k.device.type == "cpu" for k in self.keys)
+
+    @functools.cached_property
+    def paged(self) -> PagedViews:
+        """Where the K then V views of every layer lie in their storages (CPU tensors), read once."""
+        return PagedViews.of([view for pair in zip(self.keys, self.values) for view in pair])
+
+    def blocks(self, job: LoadJob, layer: int | None = None) -> Destination:
+        """The restore destination of ``job``'s entry in these pages (every layer, or one): the tokens of its blocks
+        past the first ``first_block``, which vLLM already holds (``tokens(job)``); with several KV cache groups each
+        layer's in its group's blocks, those vLLM does not keep left out."""
+        picked = None if layer is None else [2 * layer, 2 * layer + 1]
+        if len(job.block_ids) > 1 or SKIPPED in job.block_ids[0]:
+            views = picked or list(range(2 * len(self.names)))
+            return grouped_blocks(self.paged, [self.group(v // 2) for v in views], job.block_ids, self.block_size, views)
+        return self.paged.blocks(job.block_ids[0], 0, picked)
+
+    def tokens(self, job: LoadJob) -> slice:
+        """The entry's tokens a restore of ``job`` reads: only the chunks that hold them are decoded."""
+        return slice(job.first_block * self.block_size, job.num_blocks * self.block_size)
 
 
 @dataclass
 class _Pending:
     request_id: str
+    index: int  # among the request's entries
     job: LoadJob
-    reader: KvzReader | None = None
+    opened: Opened | None = None
     tier: str = ""
-    data: bytes | memoryview = b""  # the entry's bytes, for the GPU decoder
-    gpu_index: int = -1  # its index in the step's GPU decode, when it takes that path
+    gpu: GpuEntryPages | None = None  # its place in the step's GPU decode, when it takes that path
 
 
 @dataclass
@@ -126,55 +158,65 @@ class Restore:
         self._key_of = key_of
         self._layers = layers
         self._stats = stats
-        self._pending = [_Pending(rid, job) for rid, js in jobs.items() for job in js]
+        self._requests = {rid: [_Pending(rid, i, job) for i, job in enumerate(js)] for rid, js in jobs.items()}
+        self._pending = [p for ps in self._requests.values() for p in ps]
         n = len(layers.names)
-        self._decoded: list[list[tuple[list[int], torch.Tensor, torch.Tensor]] | None] = [None] * n
-        self._ready = [threading.Event() for _ in range(n)]
+        self._staged: list[list[tuple[list[int], torch.Tensor]]] = [[] for _ in range(n)]  # CUDA: pinned, block order
+        self._ready: list[threading.Event] = []  # per layer, when restoring beside the forward pass
         self._copied = [False] * n
-        self._failed_requests: dict[str, int] = {}  # request -> index of its first failed job
+        self._left = n  # layers not yet copied
+        self._failed_requests: dict[str, int] = {}  # request -> index of its first failed entry
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.times = RestoreTimes()
         self._started = 0.0
         self._gpu_decode = gpu_decode
-        self._gpu: LayerwiseDecode | None = None
+        self._gpu: GpuPages | None = None
+        self._on_cpu = layers.on_cpu
+        self._direct = False
 
     # -- driving ------------------------------------------------------------------------
     def start(self, background: bool) -> None:
         """Decode on a thread, layer by layer, while the forward pass runs (``background``); or now,
         where a CPU cache lets each entry be decoded straight into its paged blocks."""
         self._started = time.perf_counter()
-        self._direct = not background and all(k.device.type == "cpu" for k in self._layers.keys)
+        self._direct = not background and self._on_cpu
         keys, values = self._layers.keys, self._layers.values
         use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].is_cuda and gpu.status()[0]
-        if use_gpu and not self._direct:
-            from kvtool.integrations.vllm import gpu_transfer  # imports Triton
+        if use_gpu and not self._direct and len(set(self._layers.groups)) <= 1:  # the GPU pages take one block table
+            from kvtool.gpu.pages import GpuPages  # imports Triton
 
-            self._gpu = gpu_transfer.new_decoder(keys, values) if gpu_transfer.gpu_usable(keys, values) else None
+            self._gpu = GpuPages(keys, values) if GpuPages.usable(keys, values) else None
         if background:
+            self._ready = [threading.Event() for _ in self._copied]
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
             self._thread.start()
         else:
             self._run()
 
     def copy_layer(self, index: int) -> None:
-        """Wait until layer ``index`` is decoded, then write it into the paged cache."""
+        """Wait until layer ``index`` is restored; on CUDA, move its staged entries into the paged cache."""
         if self._copied[index]:
             return
         waited = time.perf_counter()
-        self._ready[index].wait()
+        if self._ready:
+            self._ready[index].wait()
         if self._gpu is not None:
             self._gpu.wait_layer(index)
         copying = time.perf_counter()
         self.times.blocked += copying - waited
-        for block_ids, k, v in self._decoded[index] or ():
-            scatter_blocks(self._layers.keys[index], block_ids, k)
-            scatter_blocks(self._layers.values[index], block_ids, v)
+        for block_ids, staged in self._staged[index]:
+            kept = [i for i, b in enumerate(block_ids) if b != SKIPPED]  # blocks vLLM does not keep stay out
+            ids = torch.as_tensor([block_ids[i] for i in kept], dtype=torch.long, device=self._layers.keys[index].device)
+            for view, blocks in zip((self._layers.keys[index], self._layers.values[index]), staged):
+                kept_blocks = blocks if len(kept) == len(block_ids) else blocks[kept]
+                view.index_copy_(0, ids, kept_blocks.to(view.device, non_blocking=True))
         done = time.perf_counter()
         self.times.copy += done - copying
-        self._decoded[index] = None
+        self._staged[index] = []
         self._copied[index] = True
-        if all(self._copied):
+        self._left -= 1
+        if not self._left:
             self.times.total = done - self._started
 
     def finish(self) -> set[int]:
@@ -184,7 +226,7 @@ class Restore:
         if self._thread is not None:
             self._thread.join()
         if self._gpu is not None:
-            by_index = {p.gpu_index: p for p in self._pending if p.gpu_index >= 0}
+            by_index = {p.gpu.index: p for p in self._pending if p.gpu is not None}
             for index, word in self._gpu.failures().items():
                 self._fail(by_index[index], f"GPU decode status {word}", "decode_error")
         self._report()
@@ -197,11 +239,11 @@ class Restore:
     def failed_block_ids(self) -> set[int]:
         with self._lock:
             failed = dict(self._failed_requests)
-        blocks: set[int] = set()
-        for rid, first in failed.items():
-            for p in self._jobs_of(rid)[first:]:
-                blocks.update(p.job.block_ids)
-        return blocks
+        return {block for rid, first in failed.items() for p in self._requests[rid][first:] for block in p.job.written_blocks()}
+
+    def request_ids(self) -> set[str]:
+        """Every request this step restores into."""
+        return set(self._requests)
 
     # -- background work -----------------------------------------------------------------
     def _run(self) -> None:
@@ -213,94 +255,86 @@ class Restore:
             self.times.fetch = decoding - begin
             if self._direct:
                 for p in self._pending:
-                    self._decode_into_pages(p)
+                    self._restore(p, self._layers.blocks(p.job), tokens=self._layers.tokens(p.job))
             else:
                 if self._gpu is not None:
-                    from kvtool.integrations.vllm.gpu_transfer import hand_over
-
-                    hand_over(self._gpu, self._pending, self._layers, self._fail, self._is_failed)
-                for index in range(len(self._ready)):
-                    self._decoded[index] = self._decode_layer(index)
-                    self._ready[index].set()
+                    self._hand_to_gpu(self._gpu)
+                for index in range(len(self._copied)):
+                    self._restore_layer(index)
+                    if self._ready:
+                        self._ready[index].set()
             self.times.decode = time.perf_counter() - decoding
         except BaseException:
             log.exception("kvtool restore failed; the affected blocks will be recomputed")
             for p in self._pending:
                 self._fail(p, "restore thread failed", "internal")
         finally:
+            for p in self._pending:
+                if p.opened is not None:
+                    p.opened.close()
             for event in self._ready:
                 event.set()
 
     def _open(self, p: _Pending) -> None:
         if self._is_failed(p):
             return
-        key = self._key_of(p.job.entry_id)
-        try:
-            p.tier = self._store.tier_of(key) or ""
-            fetched = self._store.fetch(key)
-            entry = fetched.entry
-            if entry is None:
-                assert fetched.cause is not None
-                self._fail(p, f"entry {fetched.cause.value}" + (f": {fetched.detail}" if fetched.detail else ""),
-                           FAILURE_OF_MISS[fetched.cause])
-                return
-            reader = KvzReader.from_bytes(entry.value)
-            p.data = entry.value
-        except KvtoolError as exc:
-            self._fail(p, str(exc), "store_error")
+        layers = self._layers
+        shape = (layers.heads, p.job.num_blocks * layers.block_size, layers.head_dim)
+        expected = Expected(len(layers.names), shape, dtype_of(numpy_dtype(layers.dtype)).name)
+        opened = open_entry(self._store, self._key_of(p.job.entry_id), expected)
+        if isinstance(opened, Restored):
+            self._failed(p, opened)
             return
-        expected = (self._layers.heads, p.job.num_blocks * self._layers.block_size, self._layers.head_dim)
-        fits = reader.layer_ids == list(range(len(self._layers.names))) and all(
-            shape == expected for _, _, shape in reader.tensors
-        )
-        if not fits:
-            reader.close()
-            self._fail(p, "entry does not fit this model's KV cache", "mismatch")
-            return
-        p.reader = reader
+        p.opened, p.tier = opened, opened.tier or ""
 
-    def _decode_into_pages(self, p: _Pending) -> None:
-        """Every layer of one entry from its stored chunks into the paged blocks, in one native pass per chunk."""
-        if p.reader is None or self._is_failed(p):
+    def _restore(self, p: _Pending, destination: Destination, layers: Sequence[int] | None = None,
+                 tokens: slice | None = None) -> None:
+        if p.opened is None or self._is_failed(p):
             return
-        layers, bs = self._layers, self._layers.block_size
-        tokens = p.job.num_blocks * bs
-        skip = p.job.first_block * bs
-        ids = [0] * p.job.first_block + list(p.job.block_ids)  # the skipped blocks' rows are left out
-        try:
-            rows = np.stack([
-                row_offsets(view, ids, tokens, skip)
-                for k, v in zip(layers.keys, layers.values) for view in (k, v)
-            ])
-            p.reader.read_rows([storage_bytes(k) for k in layers.keys], rows, [i // 2 for i in range(2 * len(layers.keys))])
-        except KvtoolError as exc:
-            self._fail(p, str(exc), "decode_error")
-        finally:
-            p.reader.close()
+        restored = p.opened.restore(destination, layers, tokens)
+        if not restored.ok:
+            self._failed(p, restored, f"layer {layers[0]}: " if layers else "")
 
-    def _decode_layer(self, index: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-        out = []
-        bs = self._layers.block_size
+    def _hand_to_gpu(self, pages: GpuPages) -> None:
+        """Give the GPU pages every opened entry of a recipe they decode, stored; queue every layer."""
         for p in self._pending:
-            if p.reader is None or self._is_failed(p):
+            if p.opened is None or self._is_failed(p):
                 continue
-            try:
-                first = p.job.first_block * bs
-                k, v = decode_layer(p.reader, index, first, len(p.job.block_ids) * bs, self._layers.dtype)
-            except KvtoolError as exc:
-                self._fail(p, f"layer {index}: {exc}", "decode_error")
+            destination = pages.entry(p.job.block_ids[0], p.job.first_block)
+            if destination.takes_stored(p.opened.reader.recipe):
+                p.gpu = destination
+                self._restore(p, destination)
+                p.opened.close()
+                p.opened = None
+        pages.start()
+
+    def _restore_layer(self, index: int) -> None:
+        """Layer ``index`` of every entry the CPU decodes: straight into the pages on a CPU cache, else into pinned
+        staging in block order for ``copy_layer``."""
+        layers = self._layers
+        for p in self._pending:
+            if p.opened is None or self._is_failed(p):
                 continue
-            out.append((p.job.block_ids, k, v))
-            if index == len(self._ready) - 1:
-                p.reader.close()
-        return out
+            if self._on_cpu:
+                self._restore(p, layers.blocks(p.job, index), [index], layers.tokens(p.job))
+                continue
+            n, bs = p.job.restored_blocks, layers.block_size
+            staging = torch.empty((2, n, layers.heads, bs, layers.head_dim), dtype=layers.dtype,
+                                  pin_memory=torch.cuda.is_available())
+            self._restore(p, paged_blocks(list(staging), range(n)), [index], layers.tokens(p.job))
+            if not self._is_failed(p):
+                self._staged[index].append((list(p.job.block_ids[layers.group(index)]), staging))
+
+    def _failed(self, p: _Pending, restored: Restored, where: str = "") -> None:
+        assert restored.miss is not None
+        self._fail(p, f"{where}entry {restored.miss.value}" + (f": {restored.detail}" if restored.detail else ""),
+                   FAILURE_OF_MISS[restored.miss])
 
     def _fail(self, p: _Pending, reason: str, cause: str) -> None:
-        position = self._jobs_of(p.request_id).index(p)
         with self._lock:
             known = self._failed_requests.get(p.request_id)
-            if known is None or position < known:
-                self._failed_requests[p.request_id] = position
+            if known is None or p.index < known:
+                self._failed_requests[p.request_id] = p.index
         if self._stats is not None:
             self._stats.count("restore_failures", 1, cause)
         log.warning("request %s: cannot restore entry %s (%s); vLLM will recompute it", p.request_id, p.job.entry_id[:16], reason)
@@ -308,22 +342,18 @@ class Restore:
     def _is_failed(self, p: _Pending) -> bool:
         with self._lock:
             first = self._failed_requests.get(p.request_id)
-        return first is not None and self._jobs_of(p.request_id).index(p) >= first
-
-    def _jobs_of(self, request_id: str) -> list[_Pending]:
-        return [q for q in self._pending if q.request_id == request_id]
+        return first is not None and p.index >= first
 
     def _report(self) -> None:
         """Count the step in ``stats`` and log each request's restore at DEBUG."""
         t = self.times
         restored_tokens = restored_entries = failed_tokens = 0
-        for rid in dict.fromkeys(p.request_id for p in self._pending):
-            items = self._jobs_of(rid)
+        for rid, items in self._requests.items():
             ok = items[: self._failed_requests.get(rid, len(items))]
-            tokens = sum(len(p.job.block_ids) for p in ok) * self._layers.block_size
+            tokens = sum(p.job.restored_blocks for p in ok) * self._layers.block_size
             restored_tokens += tokens
             restored_entries += len(ok)
-            failed_tokens += sum(len(p.job.block_ids) for p in items[len(ok):]) * self._layers.block_size
+            failed_tokens += sum(p.job.restored_blocks for p in items[len(ok):]) * self._layers.block_size
             tiers = ",".join(sorted({p.tier for p in ok if p.tier})) or "-"
             log.debug(
                 "request %s: restored %d tokens from %s in %.1f ms (fetch %.1f ms, decode %.1f ms, copy %.1f ms; "
@@ -338,18 +368,6 @@ class Restore:
             for name, seconds in (("restore_seconds", t.total), ("restore_fetch_seconds", t.fetch),
                                   ("restore_decode_seconds", t.decode), ("restore_copy_seconds", t.copy)):
                 self._stats.observe(name, seconds)
-
-
-def decode_layer(
-    reader: KvzReader, layer: int, first_token: int, tokens: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[kv_heads, tokens, head_dim]`` of one layer of an entry, as tensors of ``dtype``.
-
-    The restore path's one decoding call: a decoder that writes straight into
-    the paged blocks replaces this function.
-    """
-    cache = reader.read(layers=[layer], tokens=slice(first_token, first_token + tokens), threads=1)
-    return from_numpy(cache.keys[0], dtype), from_numpy(cache.values[0], dtype)
 
 
 @dataclass
@@ -367,12 +385,13 @@ class Capture:
             self.device = DeviceCapture(key_view.device)
         for job in (j for js in self.jobs.values() for j in js):
             k, v = self.arrays.setdefault(job.entry_id, [[None] * self.num_layers, [None] * self.num_layers])
+            block_ids = job.block_ids[layers.group(index)]
             if self.device is not None:
-                k[index] = to_numpy(self.device.gather(key_view, job.block_ids))
-                v[index] = to_numpy(self.device.gather(value_view, job.block_ids))
+                k[index] = to_numpy(self.device.gather(key_view, block_ids))
+                v[index] = to_numpy(self.device.gather(value_view, block_ids))
             else:
-                k[index] = gather_blocks(key_view, job.block_ids)
-                v[index] = gather_blocks(value_view, job.block_ids)
+                k[index] = gather_blocks(key_view, block_ids)
+                v[index] = gather_blocks(value_view, block_ids)
 
     def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
         """Entries with every layer captured, except those of ``skip_requests`` (waits for copies in flight)."""
@@ -392,8 +411,6 @@ class Capture:
 def encode_and_store(
     store: Store, key: str, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], recipe: str, facts: ModelFacts
 ) -> int:
-    """Compress one entry (all layers) as a .kvz with ``recipe`` and store it; its size, 0 if the store refused it."""
-    cache = KVCache(list(keys), list(values), facts, {"source": "vllm"})
-    tokens = cache.num_tokens
-    blob = encode_cache(cache, recipe, chunk_tokens=max(1, tokens), threads=1)
-    return len(blob) if store.put(key, blob, {"tokens": tokens, "raw_bytes": cache.nbytes}) else 0
+    """Code one entry (all layers) with ``recipe`` and store it; its size, 0 if it was not stored."""
+    put = put_cache(store, key, KVCache(list(keys), list(values), facts, {"source": "vllm"}), recipe)
+    return put.stored_bytes

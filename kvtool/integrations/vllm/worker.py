@@ -5,7 +5,11 @@ vLLM calls it in each worker process (``register_kv_caches``, then per step
 ``wait_for_save``). It carries out the scheduler's ``StepPlan`` with
 ``transfer``'s ``Restore`` and ``Capture``, encodes and stores finished
 entries on a background thread, and reports blocks it could not restore
-through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+through ``get_block_ids_with_load_errors`` so vLLM recomputes them; where vLLM
+takes failures only per request (``ModelKV.per_request_failures``), it reports
+each restored request as loaded, or failed, through ``take_finished_loads``.
+It registers only the layers of KV cache groups kvtool stores, each with its
+group, and none when kvtool restores nothing for the model (``context.refusal``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtool.integrations.vllm.context import ConnectorContext, ConnectorSide
 from kvtool.integrations.vllm.dictionary import DictionaryKeeper
-from kvtool.integrations.vllm.paged import kv_views
+from kvtool.integrations.vllm.paged import kv_views, typed
 from kvtool.integrations.vllm.plan import StepPlan
 from kvtool.integrations.vllm.transfer import Capture, PagedLayers, Restore, encode_and_store
 
@@ -43,19 +48,29 @@ class KvtoolWorker(ConnectorSide):
         self._restore: Restore | None = None
         self._capture: Capture | None = None
         self._load_errors: set[int] = set()
+        self._finished_loads: set[str] = set()  # requests whose (asynchronous) restore completed this step
+        self._failed_loads: set[str] = set()  # ... and those of them that failed
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtool-save")
         self._store_sampled = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        backend = _attention_backend(self._vllm_config)
+        kv = self.context.kv
+        if self.context.refusal is not None:
+            log.info("kvtool: no layer registered (%s)", kv.describe())
+            return
         head_dim, block_size = self.context.facts.head_dim, self.context.block_size
-        views = [kv_views(t, backend, head_dim, block_size) for t in kv_caches.values()]
-        first = next(iter(kv_caches.values()))
-        self._layers = PagedLayers(list(kv_caches), [k for k, _ in views], [v for _, v in views], block_size, first.dtype)
+        names = list(kv_caches)
+        tensors = [typed(kv_caches[name], kv.dtype or "") for name in names]
+        backends = [_attention_backend(self._vllm_config, name) for name in names]
+        views = [kv_views(t, backend, head_dim, block_size) for t, backend in zip(tensors, backends)]
+        first = tensors[0]
+        self._layers = PagedLayers(names, [k for k, _ in views], [v for _, v in views], block_size, first.dtype,
+                                   [kv.group_of(name) for name in names])
         overlap = self.context.settings.overlap
         self._overlap = first.device.type != "cpu" if overlap is None else overlap
-        log.info("kvtool: %d layers, paged KV %s %s on %s (backend %s), restore %s", len(views), list(first.shape),
-                 first.dtype, first.device, backend, "overlapped with compute" if self._overlap else "before the forward pass")
+        log.info("kvtool: %d layers (%s), paged KV %s %s on %s (backend %s), restore %s", len(views), kv.describe(),
+                 list(first.shape), first.dtype, first.device, ",".join(sorted(set(backends))),
+                 "overlapped with compute" if self._overlap else "before the forward pass")
 
     def start_load_kv(self, plan: StepPlan | None) -> None:
         if plan is None or not plan.loads or self._layers is None:
@@ -82,15 +97,20 @@ class KvtoolWorker(ConnectorSide):
     def wait_for_save(self) -> None:
         failed_requests: set[str] = set()
         if self._restore is not None:
-            self._load_errors |= self._restore.finish()
+            failed_blocks = self._restore.finish()
             failed_requests = self._restore.failed_requests()
+            if self.context.kv.per_request_failures:
+                self._finished_loads |= self._restore.request_ids()
+                self._failed_loads |= failed_requests
+            else:
+                self._load_errors |= failed_blocks
             self._restore = None
         if self._capture is not None:
             for entry_id, keys, values in self._capture.complete_entries(failed_requests):
                 self._saver.submit(self._save_entry, entry_id, keys, values)
             self._capture = None
 
-    def _save_entry(self, entry_id: str, keys: list, values: list) -> None:
+    def _save_entry(self, entry_id: str, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
         key = self.context.namer.key(entry_id, self.rank)
         start = time.perf_counter()
         try:
@@ -112,7 +132,13 @@ class KvtoolWorker(ConnectorSide):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_stats(self) -> dict | None:
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous restore completed since the last call, and those of them that failed."""
+        finished, failed = self._finished_loads, self._failed_loads
+        self._finished_loads, self._failed_loads = set(), set()
+        return finished, failed
+
+    def take_stats(self) -> dict[str, Any] | None:
         """As every half's, and every ``STORE_SAMPLE_S`` (rank 0) what the store's tiers hold, sampled off the step."""
         now = time.monotonic()
         if self.rank == 0 and not self._closed and now - self._store_sampled >= STORE_SAMPLE_S:
@@ -131,7 +157,7 @@ class KvtoolWorker(ConnectorSide):
             self._saver.shutdown(wait=True)
         super().shutdown()
 
-    def _log_summary(self, done: dict) -> None:
+    def _log_summary(self, done: dict[str, Any]) -> None:
         log.info("kvtool at shutdown (worker %d): %d tokens restored, %d restore failures, %d entries saved "
                  "(%.1f MB stored, ratio %s)", self.rank, done["tokens_restored"], done["restore_failures"],
                  done["entries_saved"], done["saved_MB"], done.get("compression_ratio", "-"))
@@ -141,14 +167,16 @@ def _tensor_parallel_rank() -> int:
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank()
+        rank: int = parallel_state.get_tensor_model_parallel_rank()
+        return rank
     return 0
 
 
-def _attention_backend(vllm_config: Any) -> str:
-    """The name of the attention backend of the model's layers (the paged layout depends on it)."""
-    for layer in vllm_config.compilation_config.static_forward_context.values():
-        get_backend = getattr(layer, "get_attn_backend", None)
-        if get_backend is not None:
-            return get_backend().get_name()
-    return "unknown"
+def _attention_backend(vllm_config: Any, layer_name: str) -> str:
+    """The name of the attention backend of one layer (its paged layout depends on it)."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    get_backend = getattr(layer, "get_attn_backend", None)
+    if get_backend is None:
+        return "unknown"
+    name: str = get_backend().get_name()
+    return name

@@ -1,4 +1,4 @@
-"""What one row of vLLM's CPU offload region holds, and the store key of each chunk.
+"""What one row of vLLM's CPU offload region holds, and the store key of each chunk (``chunk_namer``).
 
 vLLM's ``TieringOffloadingSpec`` keeps every offloaded chunk (``blocks_per_chunk``
 consecutive blocks of one KV cache group) in one row of a shared memory region::
@@ -30,7 +30,6 @@ Pure numpy: no vLLM or torch import, so it is tested on its own.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 from dataclasses import dataclass
 from typing import Any
@@ -38,17 +37,11 @@ from typing import Any
 import numpy as np
 
 from kvtool.dtypes import DTYPES, DType
+from kvtool.entries.names import ChunkNamer
 from kvtool.errors import UsageError
-
-# vLLM's names of the cache dtype -> kvtool's
-_DTYPES = {
-    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-    "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-}
+from kvtool.integrations.vllm.kv_groups import KV_DTYPES as _DTYPES  # vLLM's names of the cache dtype -> kvtool's
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 SUPPORTED_ORDERS = ("LBNHC", "LBHNC")
-_PERSON = b"kvtool/vllm-tier"
-KEY_PREFIX = "vllm-tier/"
 
 
 def _refuse(message: str) -> UsageError:
@@ -173,38 +166,26 @@ class RowLayout:
         return f"{self.order}:{self.copies}x{self.layers}x{self.blocks}x{self.page_bytes}:hd={self.head_dim or '-'}"
 
 
-@dataclass(frozen=True)
-class ChunkNamer:
-    """Store keys for vLLM's offload keys (block hash + group index).
+def chunk_namer(config: Any, recipe: str, layout: RowLayout, model: str | None = None) -> ChunkNamer:
+    """The store keys of the chunks of vLLM's ``OffloadingConfig`` ``config``, coded with ``recipe`` in rows of
+    ``layout`` (``kvtool.entries.names.ChunkNamer``); ``model`` names the model instead of vLLM's own name."""
+    return ChunkNamer(
+        model or str(config.model.name), str(config.model.dtype), recipe,
+        f"{config.cache.tokens_per_hash}/{layout.block_tokens}/{layout.tokens}",
+        parallel_part(config, layout), layout.signature(),
+    )
 
-    vLLM's block hash chains the whole prefix up to the chunk, and its first link
-    includes the request's ``cache_salt`` (and any LoRA or multimodal inputs), so
-    tenants with different salts never share a chunk. The rest of the key binds
-    what the bytes mean: model, KV dtype, recipe, tokens per block and chunk, the
-    parallel layout and the row layout, as kvtool's own connector binds its entries.
+
+def parallel_part(config: Any, layout: RowLayout) -> str:
+    """What a chunk's key binds of the parallel layout: only what changes the row's bytes.
+
+    A row of one copy (one worker, or vLLM's ``replicated_layout``, where every worker
+    holds the same bytes, such as an MLA latent) holds the whole model's KV of its
+    blocks, the same bytes at any tensor-parallel size: it keeps the key a single
+    worker's chunk has always had, so servers of every TP size share it. A row of one
+    cell per worker holds each worker's shard of the heads: it binds world and TP size.
     """
-
-    model: str
-    kv_dtype: str
-    recipe: str
-    tokens: str  # tokens per hash / per block / per chunk
-    parallel: str
-    layout: str
-
-    @classmethod
-    def from_config(cls, config: Any, recipe: str, layout: RowLayout, model: str | None = None) -> "ChunkNamer":
-        par = config.parallel
-        return cls(
-            model or str(config.model.name), str(config.model.dtype), recipe,
-            f"{config.cache.tokens_per_hash}/{layout.block_tokens}/{layout.tokens}",
-            f"world={par.world_size},tp={par.tp_size},copies={layout.copies}",
-            layout.signature(),
-        )
-
-    def key(self, offload_key: bytes) -> str:
-        h = hashlib.blake2b(digest_size=32, person=_PERSON)
-        for part in (self.model, self.kv_dtype, self.recipe, self.tokens, self.parallel, self.layout):
-            raw = part.encode("utf-8")
-            h.update(len(raw).to_bytes(8, "little") + raw)
-        h.update(len(offload_key).to_bytes(8, "little") + bytes(offload_key))
-        return KEY_PREFIX + h.hexdigest()
+    if layout.copies == 1:
+        return "world=1,tp=1,copies=1"
+    par = config.parallel
+    return f"world={par.world_size},tp={par.tp_size},copies={layout.copies}"

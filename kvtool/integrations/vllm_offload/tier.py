@@ -11,15 +11,21 @@ Everything vLLM calls runs in its scheduler process and returns at once:
 
 - ``lookup`` asks the store on vLLM's own lookup thread (``AsyncLookupManager``,
   as vLLM's ``fs`` tier does) and answers RETRY until the answer is in;
-- ``submit_store`` and ``submit_load`` queue the work on a bounded pool of
-  ``workers`` threads; at most ``max_pending_stores`` chunks wait to be stored:
-  the chunks of a store beyond that are dropped at once, the first ones kept
-  (the job is reported failed, vLLM releases its rows, the dropped chunks stay
-  in vLLM's CPU tier only). vLLM's own ``backpressure`` option applies on top,
-  as for any tier;
-- ``get_finished_jobs`` hands back what finished. A chunk that cannot be
-  restored is reported failed (vLLM recomputes it) and looked up as a miss
-  from then on.
+- ``submit_store`` hands the job to one copier thread, which copies each
+  chunk's row out of vLLM's CPU region and reports the job finished at once,
+  so vLLM may evict and reuse those rows while the copies are encoded and
+  stored on a pool of ``workers`` threads. A chunk waiting there is a hit and
+  loads from its copy. At most ``max_pending_stores`` chunks wait: the chunks
+  of a store beyond that are dropped at once, the first ones kept (the job is
+  reported failed, the dropped chunks stay in vLLM's CPU tier only). vLLM's own
+  ``backpressure`` option applies on top, as for any tier;
+- ``submit_load`` restores each chunk of the job on the pool, one by one: the
+  chunks that restored are reported (``successful_keys``), the others are
+  recomputed by vLLM and looked up as misses from then on;
+- ``get_finished_jobs`` hands back what finished, in the order it finished.
+
+Every chunk succeeds or fails on its own: a chunk that cannot be copied, coded,
+stored or restored never takes the others of its job with it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import numpy as np
 from vllm import __version__ as vllm_version
@@ -41,7 +47,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, Secon
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm_offload import SUPPORTED_VLLM
 from kvtool.integrations.vllm_offload.chunks import check_recipe, load_row, save_row
-from kvtool.integrations.vllm_offload.rows import ChunkNamer, RowLayout
+from kvtool.entries.names import ChunkNamer
+from kvtool.integrations.vllm_offload.rows import RowLayout, chunk_namer
 from kvtool.recipe import DEFAULT_RECIPE, Recipe
 from kvtool.store import Store, open_store
 from kvtool.store.tiered import DEFAULT_WRITE_BEHIND
@@ -56,13 +63,18 @@ log = logging.getLogger("kvtool.vllm.tier")
 class _StoreLookup(AsyncLookupManager):
     """vLLM's asynchronous lookups, answered by the store's index."""
 
-    def __init__(self, store: Store, namer: ChunkNamer, tier_type: str) -> None:
+    def __init__(self, store: Store, namer: ChunkNamer, tier_type: str, waiting: Callable[[OffloadKey], bool]) -> None:
         self._store = store
         self._namer = namer
+        self._waiting = waiting
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._store.contains_many([self._namer.key(k) for k in keys])
+        """A chunk copied out and waiting to be stored is a hit; the store answers for the others."""
+        waiting = [self._waiting(k) for k in keys]
+        asked = [k for k, w in zip(keys, waiting) if not w]
+        found = iter(self._store.contains_many([self._namer.key(k) for k in asked]))
+        return [w or bool(next(found)) for w in waiting]
 
 
 class KvtoolSecondaryTier(SecondaryTierManager):
@@ -113,7 +125,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self.layout = RowLayout.from_config(offloading_spec.config, self.block_size_bytes, replicated, head_dim)
         self.recipe = Recipe.parse(recipe).spec()
         check_recipe(self.layout, self.recipe)
-        self.namer = ChunkNamer.from_config(offloading_spec.config, self.recipe, self.layout, model_id)
+        self.namer = chunk_namer(offloading_spec.config, self.recipe, self.layout, model_id)
         self._region = np.asarray(primary_kv_view).view(np.uint8)
         self._offsets = self.layout.row_offsets()
         self.store = open_store(store, write_behind=write_behind)
@@ -121,10 +133,13 @@ class KvtoolSecondaryTier(SecondaryTierManager):
         self._finished: queue.SimpleQueue[tuple[JobResult, list[OffloadKey]]] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._jobs = 0  # submitted, not yet finished
-        self._pending_stores = 0  # chunks of those jobs waiting to be stored
-        self.stores_dropped = 0
+        self._pending_stores = 0  # chunks accepted for storing and not yet stored (or failed)
+        self._waiting: dict[OffloadKey, np.ndarray] = {}  # copied out of vLLM's rows, not yet stored
+        self.stores_dropped = 0  # chunks not accepted: too many waiting
+        self.stores_failed = 0  # chunks accepted that could not be coded or stored
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvtool-tier-copy")
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtool-tier")
-        self._lookups = _StoreLookup(self.store, self.namer, tier_type)
+        self._lookups = _StoreLookup(self.store, self.namer, tier_type, self._is_waiting)
         log.info("kvtool tier over %s: recipe %s, rows %s", self.store.describe(), self.recipe, self.layout.signature())
 
     # -- lookups --------------------------------------------------------------------------
@@ -160,7 +175,7 @@ class KvtoolSecondaryTier(SecondaryTierManager):
             keys, rows = keys[:room], rows[:room]
             self._pending_stores += len(keys)
             self._jobs += 1
-        self._pool.submit(self._store_job, job_metadata.job_id, keys, rows, complete)
+        self._copier.submit(self._copy_job, job_metadata.job_id, keys, rows, complete)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -185,52 +200,84 @@ class KvtoolSecondaryTier(SecondaryTierManager):
             return self._jobs > 0
 
     def drain_jobs(self) -> None:
+        """Wait until every job has finished: no copy or load touches vLLM's rows any more (the copies of
+        chunks may still be waiting to be stored: ``wait_stored``)."""
         with self._idle:
             self._idle.wait_for(lambda: self._jobs == 0)
 
+    def wait_stored(self) -> None:
+        """Wait until every chunk accepted so far is stored, or has failed."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._jobs == 0 and self._pending_stores == 0)
+
     def shutdown(self) -> None:
         self._lookups.shutdown()
-        self._pool.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # the chunks copied out are still stored
         self.store.close()
         # Let go of vLLM's shared region, which vLLM closes next: a live view would keep it mapped.
         self._region = np.empty((0, 0), np.uint8)
 
-    # -- pool threads ---------------------------------------------------------------------
-    def _store_job(self, job_id: int, keys: list[OffloadKey], rows: list[int], complete: bool) -> None:
-        """Store the chunks; the job succeeds when all of them are stored (``complete``: none was dropped)."""
-        start, settled, ok = time.monotonic(), 0, complete
+    # -- copier and pool threads -------------------------------------------------------------
+    def _is_waiting(self, key: OffloadKey) -> bool:
+        with self._idle:
+            return key in self._waiting
+
+    def _copy_job(self, job_id: int, keys: list[OffloadKey], rows: list[int], complete: bool) -> None:
+        """Copy each chunk's row out, report the job finished (vLLM releases the rows), then queue the copies to be
+        coded and stored. The job succeeds when every chunk was copied (``complete``: none was dropped)."""
+        start, copies = time.monotonic(), []
+        for key, row in zip(keys, rows):
+            try:
+                copies.append((key, self._region[row, :self.layout.used_bytes].copy()))
+            except Exception:  # on the copier thread: this chunk is not stored, the others are
+                log.exception("kvtool tier: chunk %d of store job %d could not be copied", row, job_id)
+        with self._idle:
+            fresh = [(key, data) for key, data in copies if key not in self._waiting]
+            self._waiting.update(fresh)
+            self._pending_stores -= len(keys) - len(fresh)
+            self.stores_failed += len(keys) - len(copies)
+        self._finish(JobResult(job_id=job_id, success=complete and len(copies) == len(keys),
+                               transfer_time=time.monotonic() - start,
+                               transfer_bytes=len(copies) * self.block_size_bytes or None), [])
+        for key, data in fresh:
+            self._pool.submit(self._store_one, key, data)
+
+    def _store_one(self, key: OffloadKey, data: np.ndarray) -> None:
+        """Code and store one copied chunk (unless the store holds it already)."""
+        ok = False
         try:
-            for key, row in zip(keys, rows):
-                name = self.namer.key(key)
-                if not self.store.contains(name):
-                    ok = save_row(self.store, name, self._region, row, self.layout, self.recipe) and ok
-                settled += 1
-                with self._idle:
-                    self._pending_stores -= 1
-        except Exception:  # on a pool thread: reported as a failed store, vLLM carries on
-            log.exception("kvtool tier: store job %d failed", job_id)
-            ok = False
+            name = self.namer.key(key)
+            ok = self.store.contains(name) or save_row(self.store, name, data[None], 0, self.layout, self.recipe)
+        except Exception:  # on a pool thread: this chunk is not stored
+            log.exception("kvtool tier: a chunk could not be stored")
         finally:
             with self._idle:
-                self._pending_stores -= len(keys) - settled
-            moved = len(keys) * self.block_size_bytes if ok else None
-            self._finish(JobResult(job_id=job_id, success=ok, transfer_time=time.monotonic() - start,
-                                   transfer_bytes=moved), [])
+                self._waiting.pop(key, None)
+                self._pending_stores -= 1
+                self.stores_failed += not ok
+                self._idle.notify_all()
 
     def _load_job(self, job_id: int, keys: list[OffloadKey], rows: list[int]) -> None:
-        start, loaded = time.monotonic(), set()
-        try:
-            for key, row in zip(keys, rows):
-                if load_row(self.store, self.namer.key(key), self._region, row, self.layout, self._offsets):
-                    loaded.add(key)
-        except Exception:  # on a pool thread: the chunks not loaded are misses
-            log.exception("kvtool tier: load job %d failed", job_id)
-        finally:
-            failed = [k for k in keys if k not in loaded]
-            partial = tuple(k for k in keys if k in loaded) if failed and loaded else None
-            self._finish(JobResult(job_id=job_id, success=not failed, successful_keys=partial,
-                                   transfer_time=time.monotonic() - start,
-                                   transfer_bytes=len(loaded) * self.block_size_bytes or None), failed)
+        """Restore each chunk into its row: from its copy while it waits to be stored, else from the store."""
+        start, loaded = time.monotonic(), []
+        for key, row in zip(keys, rows):
+            try:
+                with self._idle:
+                    copy = self._waiting.get(key)
+                if copy is not None:
+                    self._region[row, :copy.size] = copy
+                    loaded.append(key)
+                elif load_row(self.store, self.namer.key(key), self._region, row, self.layout, self._offsets):
+                    loaded.append(key)
+            except Exception:  # on a pool thread: this chunk is a miss, the others are not
+                log.exception("kvtool tier: chunk %d of load job %d could not be restored", row, job_id)
+        done = set(loaded)
+        failed = [k for k in keys if k not in done]
+        partial = tuple(loaded) if failed and loaded else None
+        self._finish(JobResult(job_id=job_id, success=not failed, successful_keys=partial,
+                               transfer_time=time.monotonic() - start,
+                               transfer_bytes=len(loaded) * self.block_size_bytes or None), failed)
 
     def _finish(self, result: JobResult, failed: list[OffloadKey]) -> None:
         """Queue a finished job for ``get_finished_jobs`` (with the keys that are misses from now on)."""
