@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.modeldict.filehead import DictionaryError, meta_section, pack, payload_id, read_meta, unpack
+from kvtool.modeldict.filehead import DictionaryError, KvdFile, meta_section, read_meta
 
 VERSION = 2
 #: Coefficient symbols: 0, then sign and magnitude class; see ``kvtool.layouts.pca_reference``.
@@ -94,9 +94,10 @@ class TensorBasis:
 
 
 @dataclass(frozen=True, eq=False)
-class BasisDictionary:
+class BasisDictionary(KvdFile):
     """A parsed, validated transform dictionary (see the module docstring for the format)."""
 
+    version = VERSION
     heads: int
     dim: int
     frequencies: np.ndarray  # float32 [dim / 2], empty when keys are not de-rotated
@@ -144,22 +145,6 @@ class BasisDictionary:
             self.class_model.astype("<u2").tobytes(), self.class_tables.astype("<u2").tobytes(),
             struct.pack("<I", len(self.tensors)), *(t.section() for t in self.tensors),
         ])
-
-    @cached_property
-    def id(self) -> str:
-        return payload_id(self.payload)
-
-    @property
-    def tag(self) -> bytes:
-        """The 4 bytes of the id every block coded with this dictionary carries."""
-        return bytes.fromhex(self.id[:8])
-
-    def to_bytes(self) -> bytes:
-        return pack(VERSION, self.payload)
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "BasisDictionary":
-        return cls.from_payload(unpack(data, VERSION))
 
     @classmethod
     def from_payload(cls, payload: bytes) -> "BasisDictionary":

@@ -20,9 +20,13 @@ import hashlib
 import json
 import struct
 import zlib
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtool.errors import DecodeError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 MAGIC = b"\x89KVD\r\n\x1a\n"
 FILE_HEAD = struct.Struct("<8sIII")
@@ -36,6 +40,37 @@ MAX_FILE = FILE_HEAD.size + (MAX_PAYLOAD[2] + (MAX_PAYLOAD[2] >> 8) + 64)
 
 class DictionaryError(DecodeError):
     """Bytes that are not a valid .kvd dictionary."""
+
+
+class KvdFile:
+    """What both kinds of dictionary share: the id and tag their payload gives them, and the ``.kvd`` file around it.
+    A kind sets ``version`` and defines ``payload`` and ``from_payload``."""
+
+    version: ClassVar[int]
+
+    @property
+    def payload(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> "Self":
+        raise NotImplementedError
+
+    @cached_property
+    def id(self) -> str:
+        return payload_id(self.payload)
+
+    @property
+    def tag(self) -> bytes:
+        """The 4 bytes of the id every block or chunk coded with this dictionary carries."""
+        return bytes.fromhex(self.id[:8])
+
+    def to_bytes(self) -> bytes:
+        return pack(self.version, self.payload)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Self":
+        return cls.from_payload(unpack(data, cls.version))
 
 
 def payload_id(payload: bytes) -> str:

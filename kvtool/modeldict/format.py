@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.modeldict.filehead import DictionaryError, meta_section, pack, payload_id, read_meta, unpack
+from kvtool.modeldict.filehead import DictionaryError, KvdFile, meta_section, read_meta
 
 VERSION = 1
 
@@ -56,9 +56,10 @@ COST_UNIT = 8
 
 
 @dataclass(frozen=True, eq=False)
-class Dictionary:
+class Dictionary(KvdFile):
     """A parsed, validated model dictionary (see the module docstring for the format)."""
 
+    version = VERSION
     freq: np.ndarray  # uint16 [N, X, 64]
     context_of: np.ndarray  # uint8 [64]
     start_context: int
@@ -89,22 +90,6 @@ class Dictionary:
             self.ref_freq.astype("<u2").tobytes(),
             self.freq.astype("<u2").tobytes(),
         ])
-
-    @cached_property
-    def id(self) -> str:
-        return payload_id(self.payload)
-
-    @property
-    def tag(self) -> bytes:
-        """The 4 bytes of the id every chunk coded with this dictionary carries."""
-        return bytes.fromhex(self.id[:8])
-
-    def to_bytes(self) -> bytes:
-        return pack(VERSION, self.payload)
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Dictionary":
-        return cls.from_payload(unpack(data, VERSION))
 
     @classmethod
     def from_payload(cls, payload: bytes) -> "Dictionary":
