@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = [
-    "_core.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "ctxans_model.c", "ctxans_encode.c", "ctxans_decode.c",
-    "ctxans_simd.c", "ctxans_py.c", "intquant.c", "intquant_batch.c", "lossy_stats.c", "outliers.c", "intcodes.c",
+    "_core.c", "kernels_py.c", "isa.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "exphuff_merge.c", "ctxans_model.c",
+    "ctxans_encode.c", "ctxans_decode.c", "ctxans_simd.c", "ctxans_py.c", "intquant.c", "intquant_batch.c", "lossy_stats.c", "outliers.c", "intcodes.c",
     "ctxtans.c", "ctxtans_encode.c", "ctxtans_py.c", "model_py.c", "repeats.c", "ctxtans_lanes.c", "ctxtans_avx2.c",
     "ctxtans_avx512.c", "ctxtans_lanes_encode.c", "pca.c", "pca_decode.c", "pca_py.c",
 ]
@@ -43,8 +43,9 @@ setup(
         Extension(
             "kvtool._native._core",
             sources=[f"kvtool/_native/{name}" for name in SOURCES],
-            depends=["kvtool/_native/kvn.h", "kvtool/_native/huffman.h", "kvtool/_native/ctxans.h", "kvtool/_native/ctxans_impl.h",
-                     "kvtool/_native/ctxtans.h", "kvtool/_native/ctxtans_impl.h", "kvtool/_native/ctxtans_lanes.h", "kvtool/_native/model_py.h",
+            depends=["kvtool/_native/kvn.h", "kvtool/_native/huffman.h", "kvtool/_native/exphuff_impl.h", "kvtool/_native/ctxans.h",
+                     "kvtool/_native/ctxans_impl.h", "kvtool/_native/ctxtans.h", "kvtool/_native/ctxtans_impl.h",
+                     "kvtool/_native/ctxtans_lanes.h", "kvtool/_native/model_py.h",
                      "kvtool/_native/repeats.h", "kvtool/_native/values.h", "kvtool/_native/floats.h", "kvtool/_native/pca.h",
                      "kvtool/_native/pca_impl.h"],
             # -ffp-contract=off: no fused multiply-add, so float results match numpy's bit for bit

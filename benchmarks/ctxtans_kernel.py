@@ -6,9 +6,10 @@ side by side with zstd-3 on the raw bytes.
 The cache is cut into ``[heads, 256, dim]`` blocks (every tensor, every block); each
 codec encodes every block, then decodes every block into its own output array,
 allocated before the timer starts (no page faults: what an engine's KV pages or a
-reused arena see). ``ctxtans`` runs once per instruction set of its kernels
+reused arena see). ``ctxtans`` runs once per instruction set, the whole core held to it
 (``ctxtans/avx512``, ``ctxtans/avx2``, ``ctxtans/scalar``: the same bytes; a set the
-CPU lacks is reported as not run) and ``ctxans`` once, each with the dictionary
+CPU lacks, or ``KVTOOL_SIMD`` rules out, is reported as not run), the other codecs at the
+process's own level, and ``ctxans`` once, each with the dictionary
 given, which should be learnt from another text (``kvtool train``); ``exphuff`` needs
 none; ``zstd-3`` is libzstd at level 3 on each block's raw bytes (its decoder
 allocates its output); ``memcpy`` copies each block into its output (the floor).
@@ -33,7 +34,7 @@ import zstandard
 from kvtool import _native
 from kvtool.cache import KVCache
 from kvtool.codecs.ctxans import CtxAnsCodec
-from kvtool.codecs.ctxtans import core_model, tables_of
+from kvtool.codecs.ctxtans import tables_of
 from kvtool.modeldict import registry
 
 CHUNK = 256
@@ -43,7 +44,7 @@ CODECS = ["memcpy", "exphuff", "zstd-3", "ctxans"] + [f"ctxtans/{isa}" for isa i
 def kernels(core, dictionary, code: int) -> dict[str, tuple[Callable, Callable] | str]:
     """Per codec name its (encode, decode) of one block, or why it does not run here."""
     view = _native.byte_view
-    tables = tables_of(dictionary)[0]
+    model = tables_of(dictionary)[1]
     rans_model = CtxAnsCodec(dictionary.id)._loaded()[1]
     compressor, decompressor = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
 
@@ -64,13 +65,17 @@ def kernels(core, dictionary, code: int) -> dict[str, tuple[Callable, Callable] 
                    lambda c, o: core.ctxans_decode(c, view(o), rans_model, code, *o.shape)),
     }
     for index, isa in enumerate(_native.ISAS):
-        if index > core.isa_best():
-            found[f"ctxtans/{isa}"] = f"not run: this CPU has no {isa} (its best: {_native.ISAS[core.isa_best()]})"
+        if index > core.isa():
+            found[f"ctxtans/{isa}"] = f"not run: this process has no {isa} (its level: {_native.isa_here()})"
             continue
-        model = core_model(core, tables, dictionary.tag, index)
-        found[f"ctxtans/{isa}"] = (lambda b, m=model: core.ctxtans_encode(view(b), m, code, *b.shape),
-                                   lambda c, o, m=model: core.ctxtans_decode(c, view(o), m, code, *o.shape))
+        found[f"ctxtans/{isa}"] = (lambda b: core.ctxtans_encode(view(b), model, code, *b.shape),
+                                   lambda c, o: core.ctxtans_decode(c, view(o), model, code, *o.shape))
     return found
+
+
+def level_of(name: str, here: int) -> int:
+    """The vector level (of ``_native.ISAS``) codec `name` runs at: its own for ``ctxtans/ISA``, else ``here``."""
+    return _native.ISAS.index(name.split("/")[1]) if name.startswith("ctxtans/") else here
 
 
 def main() -> None:
@@ -95,8 +100,10 @@ def main() -> None:
     runs = {n: found[n] for n in names if not isinstance(found[n], str)}
     best = {n: [float("inf"), float("inf")] for n in runs}
     stored = {}
+    here = core.isa()
     for _ in range(args.repeat):
         for name, (encode, decode) in runs.items():
+            core.isa(level_of(name, here))
             start = time.process_time()
             chunks = [encode(b) for b in blocks]
             best[name][0] = min(best[name][0], time.process_time() - start)

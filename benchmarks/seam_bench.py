@@ -1,6 +1,6 @@
 """What the way out of a store costs each integration, over the decoder alone, on the same entries.
 
-    python benchmarks/seam_bench.py [--rounds 7] [--recipe exphuff] [--json out/seam.json]
+    python benchmarks/seam_bench.py [--rounds 7] [--recipe exphuff] [--json out/seam.json] [--baseline-core SO]
 
 One real SmolLM2 cache of 256 tokens (all 30 layers of samples/prose.safetensors, bf16, 5.9 MB: the
 size of one LMCache chunk or one connector entry of 16 blocks of 16 tokens), stored in a memory store,
@@ -16,17 +16,22 @@ restored each of these ways, rounds alternated so that the machine's load falls 
   before the forward pass), from the store;
 - ``tier``: the vLLM offload tier's load of one row (``load_row``).
 
-Each reports CPU ms per entry (the median of the rounds, one thread) and its ratio to ``codec``.
+Each reports CPU ms per entry (the median of the rounds, one thread) and its ratio to ``codec``. With
+``--baseline-core``, another build of kvtool's core (its ``_core*.so``, built from an earlier commit with
+``python setup.py build_ext --inplace``) runs every way too, in the same process, rounds alternated with this
+tree's core: a change to the core timed before and after on the same machine at the same moments.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import numpy as np
@@ -36,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from kvtool import _native  # noqa: E402
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.destinations import PagedBlocks  # noqa: E402
 from kvtool.entries import put_cache, restore_into  # noqa: E402
@@ -57,12 +63,31 @@ def cpu_ms(fn: Callable[[], object]) -> float:
     return (time.thread_time() - start) * 1e3
 
 
+def load_core(path: Path) -> ModuleType:
+    """A build of kvtool's core loaded from ``path``, beside this tree's own."""
+    spec = importlib.util.spec_from_file_location("_core", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"not an extension module: {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def use_core(module: ModuleType) -> None:
+    """Every kvtool call from here on runs ``module`` as its core."""
+    _native._load = lambda: (module, "")  # type: ignore[assignment]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--recipe", default="exphuff")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--baseline-core", type=Path, help="another build's _core*.so, timed in alternate rounds")
     args = parser.parse_args()
+    cores = {"": _native.core()}
+    if args.baseline_core:
+        cores = {"baseline ": load_core(args.baseline_core), **cores}
 
     cache = KVCache.load(ROOT / "samples" / "prose.safetensors", tokens=slice(0, 256))
     layers, (heads, tokens, dim) = len(cache.keys), cache.keys[0].shape
@@ -100,7 +125,6 @@ def main() -> int:
 
     # the decoder alone: chunks parsed once, their kernel straight into the same paged rows
     reader = KvzReader.from_bytes(blob)
-    pipeline = pipeline_for(reader.header)
     storage = [p.reshape(-1).view(torch.uint8).numpy() for p in pages]
     destination = PagedBlocks(storage, [i // 2 for i in range(2 * layers)],
                               [0 if i % 2 == 0 else BLOCK * dim for i in range(2 * layers)],
@@ -115,8 +139,18 @@ def main() -> int:
         for chunk, array in chunks:
             codec.decode_array(chunk, array.shape, array.dtype, out=array)
 
+    pipelines = {}
+    for label, module in cores.items():  # a pipeline holds the core it was built with
+        use_core(module)
+        pipelines[label] = pipeline_for(reader.header)
+    active = {"pipeline": pipelines[""]}
+
+    def switch(label: str) -> None:
+        use_core(cores[label])
+        active["pipeline"] = pipelines[label]
+
     def decoder() -> None:
-        pipeline.decode(reader._source, selected, destination, threads=1)
+        active["pipeline"].decode(reader._source, selected, destination, threads=1)
 
     def read() -> None:
         with KvzReader.from_bytes(blob) as r:
@@ -134,18 +168,24 @@ def main() -> int:
         assert load_row(store, "tier", region, 1, row_layout, offsets)
 
     ways = {"codec": codec_alone, "decoder": decoder, "read": read, "lmcache": lmcache, "connector": connector, "tier": tier}
-    for fn in ways.values():  # warm: tables, first-touch pages
-        fn()
-    assert out.tobytes() == obj.tobytes() and region[1].tobytes() == region[0].tobytes()
-    times: dict[str, list[float]] = {name: [] for name in ways}
+    for label in cores:  # warm: tables, first-touch pages
+        switch(label)
+        for fn in ways.values():
+            fn()
+        assert out.tobytes() == obj.tobytes() and region[1].tobytes() == region[0].tobytes()
+    times: dict[str, list[float]] = {label + name: [] for label in cores for name in ways}
     for _ in range(args.rounds):
-        for name, fn in ways.items():
-            times[name].append(cpu_ms(fn))
-    base = statistics.median(times["codec"])
-    rows = [{"way": name, "cpu_ms_per_entry": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
-             "vs_codec": statistics.median(t) / base, "cpu_s_per_gb": statistics.median(t) / 1e3 / (cache.nbytes / 1e9)}
-            for name, t in times.items()]
-    print(f"recipe {args.recipe}, one entry of {cache.nbytes / 1e6:.1f} MB, {args.rounds} rounds, CPU ms (median):")
+        for label in cores:
+            switch(label)
+            for name, fn in ways.items():
+                times[label + name].append(cpu_ms(fn))
+    switch("")
+    rows = [{"way": label + name, "cpu_ms_per_entry": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
+             "vs_codec": statistics.median(t) / statistics.median(times[label + "codec"]),
+             "cpu_s_per_gb": statistics.median(t) / 1e3 / (cache.nbytes / 1e9)}
+            for label in cores for name, t in ((name, times[label + name]) for name in ways)]
+    print(f"recipe {args.recipe}, one entry of {cache.nbytes / 1e6:.1f} MB, {args.rounds} rounds, CPU ms (median), "
+          f"core {_native.status()}:")
     print("| way | CPU ms / entry | range | CPU s / GB | vs codec |")
     print("|---|---|---|---|---|")
     for r in rows:

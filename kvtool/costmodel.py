@@ -9,7 +9,9 @@ Times for a prompt of ``n`` tokens whose first ``p`` tokens are stored::
                         + raw/build_rate                      (engine cache: host-to-device copy on a GPU)
     ttft_restore(p,n) = restore(p) + suffix(p, n)
 
-with ``raw = p * bytes_per_token`` and ``stored = raw / ratio``. The stages are
+with ``raw = p * bytes_per_token`` and ``stored = raw / ratio``; ``decode_rate`` is
+one core's, times the cores free for decoding (``Inputs.decode_cores``: an
+integration decodes the chunks of a restore on that many threads). The stages are
 added, not overlapped, as the measured engine runs them; a layer-by-layer
 overlap would hide part of restore behind the suffix prefill, so on such an
 engine the model is pessimistic for restore. The quadratic term is attention:
@@ -95,6 +97,7 @@ class Inputs:
     build_rate: float  # raw bytes per second into the engine's cache
     chunk_tokens: int = 256
     sources: dict[str, str] = field(default_factory=dict)  # where each input came from
+    decode_cores: float = 1.0  # cores free for decoding: codec decode rates are one core's
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -105,7 +108,8 @@ class Inputs:
 def restore_seconds(inputs: Inputs, tier: Tier, codec: CodecCost, cached: int) -> float:
     raw = cached * inputs.model.bytes_per_token
     entries = math.ceil(cached / inputs.chunk_tokens)
-    return entries * tier.latency + raw / codec.ratio / tier.bandwidth + raw / codec.decode_rate + raw / inputs.build_rate
+    return (entries * tier.latency + raw / codec.ratio / tier.bandwidth + raw / (codec.decode_rate * inputs.decode_cores)
+            + raw / inputs.build_rate)
 
 
 def ttft_restore(inputs: Inputs, tier: Tier, codec: CodecCost, cached: int, total: int) -> float:
@@ -136,6 +140,50 @@ def break_even(inputs: Inputs, tier: Tier, codec: CodecCost, limit: int = BREAK_
         else:
             low = mid
     return high
+
+
+#: What a codec's gain is measured against when no codec named ``none`` is given: the raw bytes read into
+#: place with no decode step (LMCache's ``fs`` adapter, vLLM's ``fs`` tier).
+RAW = CodecCost("raw", 1.0, math.inf)
+
+
+def baseline_codec(codecs: Sequence[CodecCost]) -> CodecCost:
+    """The uncompressed way to keep the same bytes: the codec named ``none`` if given, else ``RAW``."""
+    return next((c for c in codecs if c.name == "none"), RAW)
+
+
+def seconds_per_raw_byte(tier: Tier, codec: CodecCost, decode_cores: float) -> float:
+    """Seconds a restore spends per byte of KV on this tier with this codec: the stored bytes read, then decoded.
+
+    Entry latency and the engine's build are left out: the same for every codec on a tier."""
+    return 1.0 / (codec.ratio * tier.bandwidth) + 1.0 / (codec.decode_rate * decode_cores)
+
+
+def pays(tier: Tier, codec: CodecCost, baseline: CodecCost, decode_cores: float) -> dict[str, Any]:
+    """Whether ``codec`` restores faster than ``baseline`` from ``tier``, and the tier bandwidth below which it does.
+
+    Per byte of KV, the codec saves ``1/bandwidth * (1/baseline.ratio - 1/ratio)`` of reading
+    and costs ``(1/decode_rate - 1/baseline.decode_rate) / decode_cores`` more decoding, so it
+    pays on tiers slower than the bandwidth where the two are equal: ``pays_below`` (bytes
+    per second; None when it pays on any tier, as it decodes no slower; 0 when it pays on none).
+    """
+    mine, theirs = seconds_per_raw_byte(tier, codec, decode_cores), seconds_per_raw_byte(tier, baseline, decode_cores)
+    saved_per_unit_bandwidth = 1.0 / baseline.ratio - 1.0 / codec.ratio
+    extra_decode = (1.0 / codec.decode_rate - 1.0 / baseline.decode_rate) / decode_cores
+    below: float | None
+    if extra_decode <= 0:
+        below = None if saved_per_unit_bandwidth > 0 or (saved_per_unit_bandwidth == 0 and extra_decode < 0) else 0.0
+    else:
+        below = max(0.0, saved_per_unit_bandwidth / extra_decode)
+    return {"tier": tier.name, "bandwidth": tier.bandwidth, "codec": codec.name, "baseline": baseline.name,
+            "decode_cores": decode_cores, "seconds_per_gb": mine * 1e9, "baseline_seconds_per_gb": theirs * 1e9,
+            "saving": 1.0 - mine / theirs, "pays": mine < theirs, "pays_below": below}
+
+
+def pays_table(inputs: Inputs) -> list[dict[str, Any]]:
+    """``pays`` for every tier and every codec but the baseline."""
+    baseline = baseline_codec(inputs.codecs)
+    return [pays(t, c, baseline, inputs.decode_cores) for t in inputs.tiers for c in inputs.codecs if c is not baseline]
 
 
 def capacity(inputs: Inputs, codec: CodecCost, context: int, concurrency: int, retained: int) -> dict[str, int]:

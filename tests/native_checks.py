@@ -7,8 +7,9 @@ import hashlib
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +23,32 @@ from kvtool.testing.arraycodecs import DTYPES
 
 #: For tests that compare the core with its reference: skipped only where no core is built (CI builds it).
 needs_core = pytest.mark.skipif(_native.core() is None, reason=f"native core: {_native.status()}")
+
+
+def levels_here() -> range:
+    """The core's vector levels (indexes of ``_native.ISAS``) this process may run: every one up to the level in use,
+    which is the CPU's best unless KVTOOL_SIMD holds it lower; the scalar one everywhere."""
+    return range(_native.core().isa() + 1)
+
+
+@contextmanager
+def at_level(level: int) -> Iterator[None]:
+    """Every kernel of the core runs at vector level `level` (one of ``levels_here()``) inside; the level before is
+    restored after."""
+    core = _native.core()
+    before = core.isa()
+    try:
+        assert core.isa(level) == level, f"this process cannot run {_native.ISAS[level]} kernels"
+        yield
+    finally:
+        core.isa(before)
+
+
+def vector_levels() -> Iterator[str]:
+    """Runs the caller's loop body once at each of ``levels_here()``, naming it."""
+    for level in levels_here():
+        with at_level(level):
+            yield _native.ISAS[level]
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import importlib.util, sys
 path = sys.argv[1]
 sys.path.insert(0, path.rsplit("/", 1)[0])
 spec = importlib.util.spec_from_file_location("benchmark_script", path)
+module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as an import does: dataclasses look it up
 try:
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
 except ModuleNotFoundError as exc:
     if exc.name and exc.name.split(".")[0] != "kvtool":
         print(exc.name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,78 @@ def test_a_config_file_names_the_report_after_its_model(tmp_path):
 
 def test_plan_help_points_to_its_documentation():
     assert "docs/PLAN.md" in " ".join(CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "200"}).stdout.split())
+
+
+# Restore costs measured on the 2-core development VM (BENCHMARKS.md, "kvtool where offload is deployed"):
+# one core decoding a 5.9 MB SmolLM2 chunk from bytes in memory, exphuff at 1.50x and the `none` recipe
+# (container, checksums, copy); the page cache and the disk as read there; network links at line rate.
+EXPHUFF = costmodel.CodecCost("exphuff", 1.50, 1.85e9)
+NONE = costmodel.CodecCost("none", 1.0, 4.2e9)
+PAGE_CACHE = costmodel.Tier("page-cache", 16.8e9)
+DISK = costmodel.Tier("disk", 2.5e9)
+LINK_10G = costmodel.Tier("10GbE", 1.25e9)
+LINK_1G = costmodel.Tier("1GbE", 0.125e9)
+
+
+def test_a_slow_link_makes_compression_pay_and_a_warm_cache_does_not():
+    assert costmodel.pays(LINK_1G, EXPHUFF, NONE, decode_cores=1)["pays"]
+    warm = costmodel.pays(PAGE_CACHE, EXPHUFF, NONE, decode_cores=2)
+    assert not warm["pays"] and warm["saving"] < 0
+    assert warm["seconds_per_gb"] > warm["baseline_seconds_per_gb"]
+
+
+def test_more_free_cores_make_compression_pay_on_faster_tiers():
+    below = [costmodel.pays(LINK_10G, EXPHUFF, NONE, n)["pays_below"] for n in (1, 2, 4, 8)]
+    assert below == sorted(below)
+    assert below[0] < LINK_10G.bandwidth < below[1]
+    assert [costmodel.pays(LINK_10G, EXPHUFF, NONE, n)["pays"] for n in (1, 2)] == [False, True]
+
+
+def test_pays_below_is_the_tier_speed_where_both_restores_take_as_long():
+    cores = 2
+    speed = costmodel.pays(DISK, EXPHUFF, NONE, cores)["pays_below"]
+    at = costmodel.Tier("at", speed)
+    assert costmodel.seconds_per_raw_byte(at, EXPHUFF, cores) == pytest.approx(costmodel.seconds_per_raw_byte(at, NONE, cores))
+    assert costmodel.pays(costmodel.Tier("slower", speed * 0.99), EXPHUFF, NONE, cores)["pays"]
+    assert not costmodel.pays(costmodel.Tier("faster", speed * 1.01), EXPHUFF, NONE, cores)["pays"]
+
+
+def test_against_raw_bytes_a_codec_pays_below_the_speed_its_saved_bytes_are_worth():
+    """Against a store that reads raw bytes into place with no decode step (LMCache's fs adapter)."""
+    assert costmodel.baseline_codec([EXPHUFF]) is costmodel.RAW
+    assert costmodel.baseline_codec([EXPHUFF, NONE]) is NONE
+    row = costmodel.pays(DISK, EXPHUFF, costmodel.RAW, decode_cores=1)
+    assert row["pays_below"] == pytest.approx((1 - 1 / 1.5) * 1.85e9)
+    assert not row["pays"]
+
+
+def test_a_codec_that_saves_nothing_never_pays_and_one_that_decodes_faster_always_does():
+    copy = costmodel.CodecCost("copy", 1.0, 1e9)
+    assert costmodel.pays(LINK_1G, copy, NONE, 1)["pays_below"] == 0.0
+    assert not costmodel.pays(LINK_1G, copy, NONE, 1)["pays"]
+    fast = costmodel.CodecCost("fast", 1.2, 8e9)
+    assert costmodel.pays(PAGE_CACHE, fast, NONE, 1)["pays_below"] is None
+    assert costmodel.pays(PAGE_CACHE, fast, NONE, 1)["pays"]
+
+
+def test_cores_free_for_decoding_shorten_the_predicted_restore():
+    inputs = costmodel.Inputs(model=SMOLLM2, prefill=costmodel.Prefill(0.0, 1e-3), tiers=[DISK], codecs=[EXPHUFF],
+                              build_rate=10e9)
+    one, four = (costmodel.restore_seconds(replace(inputs, decode_cores=n), DISK, EXPHUFF, 4096) for n in (1, 4))
+    decode = 4096 * SMOLLM2.bytes_per_token / EXPHUFF.decode_rate
+    assert one - four == pytest.approx(decode * 3 / 4)
+
+
+def test_the_plan_says_where_compression_pays():
+    args = ["--layers", 30, "--kv-heads", 3, "--head-dim", 64, "--prefill-tps", 300, "--tier", "page-cache:16.8",
+            "--tier", "1GbE:0.125", "--codec", "none:1:4.2", "--codec", "exphuff:1.5:1.85", "--build-gbps", 10,
+            "--contexts", 1024, "--decode-cores", 2]
+    report = json.loads(plan(*args, "--json").stdout)
+    assert report["inputs"]["decode_cores"] == 2
+    assert [(r["tier"], r["codec"], r["baseline"], r["pays"]) for r in report["pays"]] == [
+        ("page-cache", "exphuff", "none", False), ("1GbE", "exphuff", "none", True)]
+    lines = plan(*args).stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Does compression pay?"))
+    assert "decode on 2 cores" in lines[start]
+    assert lines[start + 2].split()[:3] == ["page-cache", "16.8", "exphuff"] and " no " in lines[start + 2]
+    assert lines[start + 3].split()[:3] == ["1GbE", "0.125", "exphuff"] and " yes " in lines[start + 3]

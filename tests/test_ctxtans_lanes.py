@@ -3,7 +3,8 @@ kernels for every instruction set (portable, AVX2, AVX-512) against the numpy re
 and generated blocks, in geometries on and off the SIMD paths, kernels alternated; the raw bits the states
 hold; KVTOOL_SIMD.
 
-A kernel the CPU here lacks is reported as skipped, with the CPU's best; the portable one runs everywhere."""
+A kernel this process may not run (the CPU lacks it, or KVTOOL_SIMD holds the core lower) is reported as skipped,
+with the level in use; the portable one runs everywhere."""
 
 from __future__ import annotations
 
@@ -21,44 +22,41 @@ from kvtool._native import ctxtans_lanes_reference as lanes_reference
 from kvtool._native import ctxtans_reference as reference
 from kvtool.cache import KVCache
 from kvtool.codecs import get_codec
-from kvtool.codecs.ctxtans import core_model, tables_of
+from kvtool.codecs.ctxtans import tables_of
 from kvtool.errors import DecodeError, UsageError
 from kvtool.testing.arraycodecs import DTYPES
 
 from float_blocks import kv_values
-from native_checks import CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core
+from native_checks import (CorePaths, assert_same_answer_to_damage, assert_same_chunks, assert_same_file_without_the_core,
+                           at_level, levels_here)
 
 core = _native.core()
 needs_core = pytest.mark.skipif(core is None, reason=f"native core: {_native.status()}")
 DICTIONARY = get_codec("ctxtans").dictionary()
-TABLES = tables_of(DICTIONARY)[0]
-_models: dict[int, object] = {}
+TABLES, MODEL = tables_of(DICTIONARY)
 
 
 def isa_index(name: str) -> int:
-    """The index of instruction set `name`; skips the test where the core is off or the CPU lacks it."""
+    """The index of instruction set `name`; skips the test where the core is off or this process may not run it."""
     if core is None:
         pytest.skip(f"native core: {_native.status()}")
-    index, best = _native.ISAS.index(name), core.isa_best()
-    if index > best:
-        pytest.skip(f"this CPU has no {name} kernels to run (its best: {_native.ISAS[best]})")
+    index = _native.ISAS.index(name)
+    if index not in levels_here():
+        pytest.skip(f"this process runs no {name} kernels (the CPU lacks them or KVTOOL_SIMD holds it to {_native.isa_here()})")
     return index
 
 
-def model(index: int) -> object:
-    if index not in _models:
-        _models[index] = core_model(core, TABLES, DICTIONARY.tag, index)
-    return _models[index]
-
-
 def paths(index: int) -> CorePaths:
+    """The core's coders with every kernel at vector level `index`, and the reference's."""
     def native_encode(block, name):
-        return core.ctxtans_encode(np.ascontiguousarray(block).reshape(-1).view(np.uint8), model(index),
-                                   _native.DTYPE_CODES[name], *block.shape)
+        with at_level(index):
+            return core.ctxtans_encode(np.ascontiguousarray(block).reshape(-1).view(np.uint8), MODEL,
+                                       _native.DTYPE_CODES[name], *block.shape)
 
     def native_decode(chunk, name, shape):
         out = np.zeros(shape, f"u{reference.FAMILIES[name].width}")
-        return core.ctxtans_decode(chunk, out.reshape(-1).view(np.uint8), model(index), _native.DTYPE_CODES[name], *shape), out
+        with at_level(index):
+            return core.ctxtans_decode(chunk, out.reshape(-1).view(np.uint8), MODEL, _native.DTYPE_CODES[name], *shape), out
 
     return CorePaths(native_encode, native_decode, lambda block, name: reference.encode(block, name, TABLES, DICTIONARY.tag),
                      lambda chunk, name, shape: reference.decode(chunk, name, shape, TABLES, DICTIONARY.tag))
@@ -109,7 +107,7 @@ def test_real_caches_in_every_dtype_and_geometry(isa, samples):
 def test_kernels_called_in_turn_write_and_read_the_same_chunks(samples):
     """Each kernel's bytes do not depend on which kernel ran before it in the process (one of them once did)."""
     cache = KVCache.load(samples[1], layers=[2, 16])
-    here = range(core.isa_best() + 1)
+    here = levels_here()
     for array in cache.keys + cache.values:
         block = np.ascontiguousarray(array)
         expected = paths(0).reference_encode(block, "bf16")
@@ -119,18 +117,12 @@ def test_kernels_called_in_turn_write_and_read_the_same_chunks(samples):
             assert status == 0 and out.tobytes() == block.tobytes()
 
 
-@pytest.mark.parametrize("isa", _native.ISAS)
-def test_a_model_runs_the_kernels_it_was_allowed(isa):
-    index = isa_index(isa)
-    assert core.ctxtans_model_isa(model(index)) == index
-
-
 @needs_core
 @pytest.mark.parametrize("version", [1, 2])
 def test_chunks_of_older_versions_decode_with_every_model(samples, version):
     block = KVCache.load(samples[1], layers=[4]).keys[0][:, :120]
     chunk = reference.encode(block, "bf16", TABLES, DICTIONARY.tag, version=version)
-    for index in range(core.isa_best() + 1):
+    for index in levels_here():
         status, out = paths(index).native_decode(chunk, "bf16", block.shape)
         assert status == 0 and np.array_equal(out, block.view(np.uint16))
 
@@ -158,7 +150,7 @@ def test_the_states_hold_the_raw_planes_last_bits(samples, monkeypatch):
     head = reference.HEAD.unpack_from(chunk)
     assert head[:2] == (3, reference.MODE_DICT) and len(chunk) == reference.HEAD.size + head[6] * 2 + head[7]
     assert np.array_equal(reference.decode(chunk, "fp8_e5m2", block.shape, TABLES, DICTIONARY.tag), block.view(np.uint8))
-    for index in range(core.isa_best() + 1 if core else 0):
+    for index in levels_here() if core else ():
         assert paths(index).native_decode(chunk, "fp8_e5m2", block.shape)[1].tobytes() == block.tobytes()
     encode = lanes_reference.encode
 
@@ -169,7 +161,7 @@ def test_the_states_hold_the_raw_planes_last_bits(samples, monkeypatch):
     damaged = reference.encode(block, "fp8_e5m2", TABLES, DICTIONARY.tag)
     with pytest.raises(DecodeError, match="final states"):
         reference.decode(damaged, "fp8_e5m2", block.shape, TABLES, DICTIONARY.tag)
-    for index in range(core.isa_best() + 1 if core else 0):
+    for index in levels_here() if core else ():
         assert paths(index).native_decode(damaged, "fp8_e5m2", block.shape)[0] != 0
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm.context import ConnectorContext
-from kvtool.integrations.vllm.kv_groups import SKIPPED, ModelKV, recipe_problem
+from kvtool.entries import recipe_problem
+from kvtool.integrations.vllm.kv_groups import SKIPPED, ModelKV
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.integrations.vllm.scheduler import KvtoolScheduler
 from kvtool.store import open_store

@@ -189,12 +189,18 @@ async def start(config: Config, args: argparse.Namespace, workdir: Path, tag: st
 
 # -- requests ------------------------------------------------------------------------------
 
-async def complete(http: aiohttp.ClientSession, port: int, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+async def complete(http: aiohttp.ClientSession, port: int, tokens: list[int], max_tokens: int,
+                   logprobs: int = 0) -> dict[str, Any]:
+    """One streamed greedy completion; with ``logprobs``, each output token's top candidates too (``top``: a list
+    per token of [token id, log-probability] pairs), to tell a near tie from a wrong cache."""
     body = {"model": "m", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if logprobs:
+        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
     sent = time.perf_counter()
     ttft = None
     out: list[int] = []
+    top: list[list[list[float]]] = []
     usage: dict[str, Any] = {}
     async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
         if r.status != 200:
@@ -209,19 +215,22 @@ async def complete(http: aiohttp.ClientSession, port: int, tokens: list[int], ma
                 if ids and ttft is None:
                     ttft = time.perf_counter() - sent
                 out.extend(ids)
+                for candidates in (choice.get("logprobs") or {}).get("top_logprobs") or ():
+                    top.append([[int(t.removeprefix("token_id:")), lp] for t, lp in candidates.items()])
             usage = chunk.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
     return {"ttft_s": ttft, "e2e_s": time.perf_counter() - sent, "prompt_tokens": len(tokens),
-            "cached_tokens": details.get("cached_tokens") or 0, "output": out}
+            "cached_tokens": details.get("cached_tokens") or 0, "output": out, **({"top": top} if logprobs else {})}
 
 
-async def run_batch(port: int, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[dict]:
+async def run_batch(port: int, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                    logprobs: int = 0) -> list[dict]:
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         async def one(tokens: list[int]) -> dict:
             async with gate:
-                return await complete(http, port, tokens, max_tokens)
+                return await complete(http, port, tokens, max_tokens, logprobs)
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 

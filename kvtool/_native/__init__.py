@@ -8,8 +8,10 @@ numpy reference of the same formats (``kvtool._native.reference``; ctxans's is
 slowly, and says so once in a warning. A core built from other sources (another
 job layout, other ctxans constants) is refused.
 
-Some kernels have variants for SIMD instruction sets (``ISAS``), which write and read the
-same bytes; the core runs the best the CPU has, or no better than ``KVTOOL_SIMD`` allows.
+Kernels with variants for SIMD instruction sets (``ISAS``: exphuff's decoder and row
+merge, the XXH3 checksum, ctxtans's lanes) write and read the same bytes at every level.
+The core picks one level per process, the best the CPU has, held no higher than
+``KVTOOL_SIMD`` when the core is loaded; tests step through every level the CPU has.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ INT_JOB_DTYPE = np.dtype(
 DTYPE_CODES = {"bf16": 0, "fp16": 1, "fp32": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 
 _DISABLED = ("0", "false", "no", "off")
-#: The instruction sets of the core's SIMD kernel variants, in order (the core's enum kvn_isa).
+#: The instruction sets of the core's SIMD kernel variants, narrowest first (enum kvn_isa_level in kvn.h).
 ISAS = ("scalar", "avx2", "avx512")
 
 
@@ -86,6 +88,7 @@ def _load() -> tuple[NativeCore | None, str]:
             or getattr(module, "INT_JOB_SIZE", None) != INT_JOB_DTYPE.itemsize
             or getattr(module, "CTXANS_CONSTANTS", None) != _ctxans_constants()):
         return None, "built from other sources than this kvtool; reinstall it"
+    module.isa(isa_limit())  # one level for every kernel of this process
     return cast("NativeCore", module), ""  # the C says nothing of its types: core_api states them
 
 
@@ -107,7 +110,9 @@ def core() -> NativeCore | None:
 def status() -> str:
     """How the hot path runs here, in words."""
     module, reason = _load()
-    return "native (C)" if module is not None else f"numpy reference, slow: native core {reason}"
+    if module is None:
+        return f"numpy reference, slow: native core {reason}"
+    return f"native (C, {ISAS[module.isa()]} kernels)"
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,7 +121,7 @@ def _warn_once(reason: str) -> None:
 
 
 def isa_limit() -> int:
-    """The best instruction set (an index of ``ISAS``) the core's kernels may use: ``KVTOOL_SIMD``'s, else the best."""
+    """The best instruction set (an index of ``ISAS``) the core's kernels may use: ``KVTOOL_SIMD``'s, else the widest."""
     name = os.environ.get("KVTOOL_SIMD", "").strip().lower()
     if not name:
         return len(ISAS) - 1
@@ -130,7 +135,7 @@ def isa_limit() -> int:
 def isa_here() -> str:
     """The instruction set the core's SIMD kernels run here (the CPU's best, within ``KVTOOL_SIMD``), by name."""
     module = core()
-    return ISAS[min(module.isa_best(), isa_limit())] if module is not None else "none (no native core)"
+    return ISAS[module.isa()] if module is not None else "none (no native core)"
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:

@@ -54,17 +54,6 @@ static PyObject *error_status(int status) {
     return NULL;
 }
 
-static PyObject *py_xxh3_64(PyObject *self, PyObject *args) {
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "y*", &buf)) return NULL;
-    uint64_t h;
-    Py_BEGIN_ALLOW_THREADS
-    h = kvn_xxh3_64(buf.buf, (size_t)buf.len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    return PyLong_FromUnsignedLongLong(h);
-}
-
 static int parse_geometry(int dtype, Py_ssize_t heads, Py_ssize_t tokens, Py_ssize_t dim, Py_ssize_t buflen,
                           size_t *elems) {
     if (kvn_itemsize(dtype) == 0 || heads < 0 || tokens < 0 || dim < 0) {
@@ -276,20 +265,42 @@ static PyObject *py_encode_blocks(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NN)", blob, meta);
 }
 
-/* Decodes a block of `tb` tokens (exphuff, or ctxtans with `model`) into *scratch (grown as needed: block-sized, so still
- * in cache for the raw checksum and the copy out) and checks its raw checksum when verifying. */
-static int decode_block_to_scratch(const kvn_tans_model *model, const job *j, const uint8_t *chunk, int dtype,
-                                   size_t heads, size_t dim, size_t raw_len, int verify, uint8_t **scratch,
-                                   size_t *scratch_size) {
-    if (raw_len > *scratch_size) {
-        free(*scratch);
-        *scratch = malloc(raw_len);
-        *scratch_size = *scratch ? raw_len : 0;
+/* *buf with room for `need` bytes (grown as needed, kept across jobs), or NULL. */
+static void *room_for(void **buf, size_t *size, size_t need) {
+    if (need > *size || !*buf) {
+        need = need ? need : 1;
+        free(*buf);
+        *buf = malloc(need);
+        *size = *buf ? need : 0;
     }
-    if (!*scratch) return KVN_ERR_NOMEM;
+    return *buf;
+}
+
+/* A job's buffers, reused from block to block: the row pointers, and the block-sized scratch a ctxtans block decodes into. */
+typedef struct {
+    void *rows, *scratch;
+    size_t rows_size, scratch_size;
+} job_room;
+
+/* Decodes a block of `tb` tokens (exphuff, or ctxtans with `model`), row (h, t) to rows[h * tb + t] (NULL: nowhere),
+ * checking its raw checksum when verifying. exphuff writes each row in place and hashes the rows while they are in
+ * cache (a mismatch leaves garbage there, reported as a checksum error); ctxtans decodes into the scratch, checked
+ * there before its rows are copied out. */
+static int decode_block_rows(const kvn_tans_model *model, const job *j, const uint8_t *chunk, int dtype, size_t heads,
+                             size_t dim, size_t raw_len, int verify, uint8_t *const *rows, job_room *room) {
     kvn_block b = {dtype, heads, j->block_tokens, dim, (size_t)j->block_tokens * dim};
-    int rc = coder_decode(model, &b, chunk, j->stored_len, *scratch);
-    if (!rc && verify && kvn_xxh3_64(*scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
+    if (!model) {
+        uint64_t hash = 0;
+        int rc = kvn_exphuff_decode_rows(&b, chunk, j->stored_len, rows, verify ? &hash : NULL);
+        return !rc && verify && hash != j->raw_xxh3 ? KVN_ERR_CHECKSUM : rc;
+    }
+    uint8_t *scratch = room_for(&room->scratch, &room->scratch_size, raw_len);
+    if (!scratch) return KVN_ERR_NOMEM;
+    int rc = coder_decode(model, &b, chunk, j->stored_len, scratch);
+    if (!rc && verify && kvn_xxh3_64(scratch, raw_len) != j->raw_xxh3) rc = KVN_ERR_CHECKSUM;
+    size_t nr = heads * j->block_tokens, row = nr ? raw_len / nr : 0;
+    for (size_t r = 0; !rc && r < nr; r++)
+        if (rows[r]) memcpy(rows[r], scratch + r * row, row);
     return rc;
 }
 
@@ -318,8 +329,7 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
     const job *jobs = jobs_buf.buf;
     const uint8_t *base = src.buf;
     uint8_t *out = dst.buf;
-    uint8_t *scratch = NULL;
-    size_t scratch_size = 0;
+    job_room room = {0};
     int rc = KVN_OK;
     Py_ssize_t failed = -1;
     Py_BEGIN_ALLOW_THREADS
@@ -344,15 +354,19 @@ static PyObject *py_decode_blocks(PyObject *self, PyObject *args) {
                         (size_t)heads, row, (size_t)(hi - lo));
             continue;
         }
-        rc = decode_block_to_scratch(model, j, chunk, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch,
-                                     &scratch_size);
-        if (!rc)
-            copy_tokens(target, (size_t)tokens * row, scratch + (size_t)(lo - j->block_start) * row, tb * row,
-                        (size_t)heads, row, (size_t)(hi - lo));
+        uint8_t **at = room_for(&room.rows, &room.rows_size, (size_t)heads * tb * sizeof(uint8_t *));
+        for (size_t h = 0; at && h < (size_t)heads; h++)  /* the block's tokens outside the tensor: nowhere */
+            for (size_t t = 0; t < tb; t++) {
+                int64_t token = j->block_start + (int64_t)t;
+                at[h * tb + t] = token >= lo && token < hi ? target + (h * (size_t)tokens + (size_t)(token - lo)) * row : NULL;
+            }
+        rc = at ? decode_block_rows(model, j, chunk, dtype, (size_t)heads, (size_t)dim, raw_len, verify, at, &room)
+                : KVN_ERR_NOMEM;
         if (rc) { failed = (Py_ssize_t)i; break; }
     }
     Py_END_ALLOW_THREADS
-    free(scratch);
+    free(room.rows);
+    free(room.scratch);
     PyBuffer_Release(&src);
     PyBuffer_Release(&jobs_buf);
     PyBuffer_Release(&dst);
@@ -392,8 +406,7 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
     const job *jobs = jobs_buf.buf;
     const int64_t *starts = starts_buf.buf, *rows = rows_buf.buf;
     const uint8_t *base = src.buf;
-    uint8_t *scratch = NULL;
-    size_t scratch_size = 0;
+    job_room room = {0};
     int rc = KVN_OK;
     Py_ssize_t failed = -1;
     Py_BEGIN_ALLOW_THREADS
@@ -410,24 +423,25 @@ static PyObject *py_decode_rows(PyObject *self, PyObject *args) {
             rc = KVN_ERR_CORRUPT;
         }
         const Py_buffer *t = rc ? NULL : &dst[j->out_index];
-        for (size_t r = 0; t && r < nr; r++) {  /* every row inside its target before anything is written */
+        uint8_t **to = t ? room_for(&room.rows, &room.rows_size, nr * sizeof(uint8_t *)) : NULL;
+        if (t && !to) rc = KVN_ERR_NOMEM;
+        for (size_t r = 0; to && r < nr; r++) {  /* every row inside its target before anything is written */
             int64_t at = rows[starts[i] + (int64_t)r];
             if (at >= 0 && ((uint64_t)at > (uint64_t)t->len || row > (size_t)t->len - (size_t)at)) { rc = KVN_ERR_ARG; break; }
+            to[r] = at >= 0 ? (uint8_t *)t->buf + at : NULL;
         }
         const uint8_t *block = base + j->offset;
-        if (!rc && !(j->flags & JOB_STORED_RAW)) {
-            rc = decode_block_to_scratch(model, j, block, dtype, (size_t)heads, (size_t)dim, raw_len, verify, &scratch,
-                                         &scratch_size);
-            block = scratch;
+        if (!rc && (j->flags & JOB_STORED_RAW)) {
+            for (size_t r = 0; r < nr; r++)
+                if (to[r]) memcpy(to[r], block + r * row, row);
+        } else if (!rc) {
+            rc = decode_block_rows(model, j, block, dtype, (size_t)heads, (size_t)dim, raw_len, verify, to, &room);
         }
         if (rc) { failed = (Py_ssize_t)i; break; }
-        for (size_t r = 0; r < nr; r++) {
-            int64_t at = rows[starts[i] + (int64_t)r];
-            if (at >= 0) memcpy((uint8_t *)t->buf + at, block + r * row, row);
-        }
     }
     Py_END_ALLOW_THREADS
-    free(scratch);
+    free(room.rows);
+    free(room.scratch);
     result = rc == KVN_ERR_NOMEM ? PyErr_NoMemory() : Py_BuildValue("(in)", rc, failed);
 release:
     for (Py_ssize_t k = 0; k < got; k++) PyBuffer_Release(&dst[k]);
@@ -439,6 +453,9 @@ release:
     return result;
 }
 
+/* The checksum's and the vector level's bindings live in kernels_py.c. */
+PyObject *kvn_py_xxh3_64(PyObject *self, PyObject *args);
+PyObject *kvn_py_isa(PyObject *self, PyObject *args);
 /* The ctxans coder's bindings live in ctxans_py.c. */
 PyObject *kvn_py_ctxans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxans_encode(PyObject *self, PyObject *args);
@@ -448,8 +465,6 @@ int kvn_py_ctxans_add_constants(PyObject *module);
 PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_ctxtans_decode(PyObject *self, PyObject *args);
-PyObject *kvn_py_ctxtans_model_isa(PyObject *self, PyObject *args);
-PyObject *kvn_py_isa_best(PyObject *self, PyObject *args);
 /* The outliers side channel's bindings live in outliers.c. */
 PyObject *kvn_py_outliers_split(PyObject *self, PyObject *args);
 PyObject *kvn_py_outliers_merge(PyObject *self, PyObject *args);
@@ -465,7 +480,8 @@ PyObject *kvn_py_pca_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_pca_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
-    {"xxh3_64", py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer."},
+    {"xxh3_64", kvn_py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer, in one piece or in pieces of a given size."},
+    {"isa", kvn_py_isa, METH_VARARGS, "The vector level every kernel uses (0 scalar, 1 AVX2, 2 AVX-512), capped first if given."},
     {"exphuff_encode", py_exphuff_encode, METH_VARARGS, "Encode one C-contiguous block as an exphuff chunk."},
     {"exphuff_decode", py_exphuff_decode, METH_VARARGS, "Decode one exphuff chunk into a C-contiguous block; returns a status."},
     {"encode_blocks", py_encode_blocks, METH_VARARGS, "Encode a tensor's token blocks: (blob, meta)."},
@@ -476,8 +492,6 @@ static PyMethodDef methods[] = {
     {"ctxtans_model", kvn_py_ctxtans_model, METH_VARARGS, "A dictionary's ctxtans tANS tables, as a capsule."},
     {"ctxtans_encode", kvn_py_ctxtans_encode, METH_VARARGS, "Encode one C-contiguous block as a ctxtans chunk."},
     {"ctxtans_decode", kvn_py_ctxtans_decode, METH_VARARGS, "Decode one ctxtans chunk into a C-contiguous block; returns a status."},
-    {"ctxtans_model_isa", kvn_py_ctxtans_model_isa, METH_VARARGS, "The instruction set a ctxtans model's lane kernels use (0 portable, 1 AVX2, 2 AVX-512)."},
-    {"isa_best", kvn_py_isa_best, METH_VARARGS, "The best instruction set of the lane kernels this CPU runs (0 portable, 1 AVX2, 2 AVX-512)."},
     {"int_quant", py_int_quant, METH_VARARGS, "Quantize one block for the lossy int stage; returns a status."},
     {"int_dequant", py_int_dequant, METH_VARARGS, "Restore one block of the lossy int stage; returns a status."},
     {"outliers_split", kvn_py_outliers_split, METH_VARARGS, "Keep each row's outliers of one block apart; returns a status."},

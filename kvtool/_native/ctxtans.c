@@ -38,26 +38,10 @@ static void *table_alloc(size_t size) {
     return p;
 }
 
-int kvn_isa_best(void) {
-#ifdef KVN_LANES_X86
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("bmi2") || !__builtin_cpu_supports("popcnt"))
-        return KVN_ISA_SCALAR;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vpopcntdq"))
-        return KVN_ISA_AVX512;
-    return KVN_ISA_AVX2;
-#else
-    return KVN_ISA_SCALAR;
-#endif
-}
-
-int kvn_tans_model_isa(const kvn_tans_model *m) { return m->isa; }
-
 kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
                                    const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
                                    const uint16_t *base, const int32_t *cost, const int32_t *class_cost,
-                                   const uint8_t *context_of, const uint8_t tag[4], int max_isa) {
+                                   const uint8_t *context_of, const uint8_t tag[4]) {
     if (classes < 1 || classes > KVN_TANS_MAX_CLASSES || contexts < 1 || contexts > KVN_TANS_MAX_CONTEXTS ||
         start_context < 0 || start_context >= contexts)
         return NULL;
@@ -101,8 +85,6 @@ kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context,
         for (int k = 0; k < classes; k++) m->cost[r * (size_t)m->cost_lanes + k] = (uint8_t)cost[r * (size_t)classes + (size_t)k];
     memcpy(m->class_cost, class_cost, (size_t)classes * sizeof(int32_t));
     memcpy(m->tag, tag, 4);
-    int best = kvn_isa_best();
-    m->isa = max_isa < best ? (max_isa > KVN_ISA_SCALAR ? max_isa : KVN_ISA_SCALAR) : best;
     return m;
 }
 

@@ -13,24 +13,16 @@
 /* A dictionary's tANS tables (kvtool/_native/ctxtans_tables.py, TansTables), copied in. */
 typedef struct kvn_tans_model kvn_tans_model;
 
-/* The instruction sets the lane coders (chunk version 3) have kernels for, in order: a model runs the
- * best one that both the CPU has and its creator allows. Every kernel writes and reads the same bytes. */
-enum kvn_isa { KVN_ISA_SCALAR = 0, KVN_ISA_AVX2 = 1, KVN_ISA_AVX512 = 2 };
-/* The best of them this CPU (and this build) runs. */
-int kvn_isa_best(void);
-
 /* Per model (classes * contexts symbol models, then the class and the reference model):
  * g [64] (u16), start [64] (u16), and per state symbol, nbits (u8) and base (u16) (the tANS tables of
- * versions 1 and 2); cost [contexts * 64 * classes] and class_cost [classes] (i32); context_of [64]; the
- * best instruction set its kernels may use (enum kvn_isa). NULL when out of memory or the tables are
- * inconsistent. */
+ * versions 1 and 2); cost [contexts * 64 * classes] and class_cost [classes] (i32); context_of [64]. NULL
+ * when out of memory or the tables are inconsistent. The lane coders (chunk version 3) run the kernels
+ * of kvn_isa()'s level at each call. */
 kvn_tans_model *kvn_tans_model_new(int classes, int contexts, int start_context, const uint16_t *g,
                                    const uint16_t *start, const uint8_t *symbol, const uint8_t *nbits,
                                    const uint16_t *base, const int32_t *cost, const int32_t *class_cost,
-                                   const uint8_t *context_of, const uint8_t tag[4], int max_isa);
+                                   const uint8_t *context_of, const uint8_t tag[4]);
 void kvn_tans_model_free(kvn_tans_model *m);
-/* The instruction set a model's kernels use (enum kvn_isa). */
-int kvn_tans_model_isa(const kvn_tans_model *m);
 
 /* An upper bound on the bytes kvn_tans_encode writes for a block. */
 size_t kvn_tans_bound(const kvn_block *b);

@@ -35,7 +35,7 @@
 #define KVN_TANS_MULTIVERSION
 #endif
 /* The lane kernels of chunk version 3 have AVX2 and AVX-512 variants on x86-64 (GCC and Clang), chosen
- * per model (kvn_isa_best, and the model's max_isa); every build keeps the portable one. */
+ * at each call by kvn_isa() (isa.c); every build keeps the portable one. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(KVN_NO_MULTIVERSION)
 #define KVN_LANES_X86 1
 #define KVN_TARGET_AVX2 __attribute__((target("avx2,bmi,bmi2,popcnt,lzcnt")))
@@ -59,7 +59,6 @@ struct kvn_tans_model {
     int32_t class_cost[KVN_TANS_MAX_CLASSES];
     uint8_t context_of[KVN_TANS_SYMBOLS];
     uint8_t tag[4];
-    int isa;         /* enum kvn_isa: the lane kernels this model runs */
 };
 
 /* ---- values ---------------------------------------------------------------------------- */

@@ -81,8 +81,8 @@ static int side_symbol(const kvn_tans_model *m, size_t model, uint32_t *x, lane_
 
 /* Each channel's class and reference, then every value's symbol, sym[t * C + place]; `chan` gets the channels
  * in coding order, `refs` each channel's reference. */
-static int decode_symbols(const kvn_tans_model *m, const kvn_block *b, const lane_chunk *c, lane_group *g, uint8_t *cls,
-                          uint32_t *chan, uint32_t *refs, uint8_t *sym) {
+static int decode_symbols(int isa, const kvn_tans_model *m, const kvn_block *b, const lane_chunk *c, lane_group *g,
+                          uint8_t *cls, uint32_t *chan, uint32_t *refs, uint8_t *sym) {
     size_t H = b->heads, D = b->dim, C = H * D;
     uint32_t level_count = split_of(b->dtype).level_count;
     for (size_t ch = 0; ch < C; ch++) {
@@ -110,7 +110,7 @@ static int decode_symbols(const kvn_tans_model *m, const kvn_block *b, const lan
                 g->model[k] = g->cls[k] + (uint32_t)m->start_context;
                 g->x[k] = x[k];
             }
-            int rc = decode_group(m->isa, g);
+            int rc = decode_group(isa, g);
             if (rc) return rc;
             memcpy(x, g->x, g->lanes * sizeof(uint32_t));
         }
@@ -191,6 +191,7 @@ int kvn_tans_lanes_decode(const kvn_tans_model *m, const kvn_block *b, const lan
     size_t D = b->dim, C = b->heads * D;
     if (D > 65536) return KVN_ERR_ARG; /* a channel's place within its head is 16 bits */
     if (c->stream_len < 4 * LANES) return KVN_ERR_CORRUPT;
+    int isa = kvn_isa();
     lane_group g = {m->bucket, m->fcx, m->refill_index, m->context_of, NULL, b->heads, b->tokens, 0, C, NULL, c->stream + 4 * LANES,
                     c->stream_len - 4 * LANES, 0, {0}, {0}, {0}};
     for (int k = 0; k < LANES; k++) {
@@ -204,10 +205,10 @@ int kvn_tans_lanes_decode(const kvn_tans_model *m, const kvn_block *b, const lan
     lane_values v = {b, sym, local, refs, c->back, {NULL, NULL, 0, 0}, c->side};
     int rc = KVN_ERR_NOMEM;
     if (sym && cls && local && chan && refs) {
-        rc = decode_symbols(m, b, c, &g, cls, chan, refs, sym);
+        rc = decode_symbols(isa, m, b, c, &g, cls, chan, refs, sym);
         for (size_t p = 0; !rc && p < C; p++) local[chan[p]] = (uint16_t)(p % D);
         if (!rc) rc = join_tail(c, g.x, (uint64_t)D * split_of(b->dtype).raw_bits, &v.raw);
-        if (!rc) rc = decode_values(m->isa, &v, dst);
+        if (!rc) rc = decode_values(isa, &v, dst);
     }
     free(sym);
     free(cls);

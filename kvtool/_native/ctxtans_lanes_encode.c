@@ -44,6 +44,7 @@ int kvn_tans_lanes_encode(const kvn_tans_model *m, const kvn_block *b, const uin
     size_t H = b->heads, D = b->dim, C = H * D, n = b->tokens * C;
     uint8_t *bytes = malloc(2 * (n + 2 * C) + 64); /* two bytes at most a symbol; the SIMD kernels store 16 at a time */
     if (!bytes) return KVN_ERR_NOMEM;
+    int isa = kvn_isa();
     lane_coder e = {m->rcp, m->rec, sym, m->context_of, (uint32_t)m->start_context, NULL, H, C, b->tokens, 0,
                     {0}, {0}, {0}, {0}, bytes, 0};
     for (int s = 0; s < KVN_TANS_SYMBOLS; s++) e.context32[s] = m->context_of[s];
@@ -58,7 +59,7 @@ int kvn_tans_lanes_encode(const kvn_tans_model *m, const kvn_block *b, const uin
                 e.cls[k] = cls[chan[place + k]] * (uint32_t)m->contexts;
                 e.x[k] = x[k];
             }
-            encode_group(m->isa, &e);
+            encode_group(isa, &e);
             memcpy(x, e.x, e.lanes * sizeof(uint32_t));
         }
     for (size_t i = 2 * C; i-- > 0;) { /* class, reference offset, class, ...: a step each */

@@ -11,12 +11,12 @@ static void free_capsule(PyObject *capsule) { kvn_tans_model_free(PyCapsule_GetP
 const kvn_tans_model *kvn_py_tans_model_of(PyObject *capsule) { return PyCapsule_GetPointer(capsule, CAPSULE_NAME); }
 
 /* ctxtans_model(g, start, symbol, nbits, base, cost, class_cost, context_of, start_context, classes, contexts,
- * tag, max_isa) -> capsule; max_isa: the best instruction set its kernels may use (enum kvn_isa). */
+ * tag) -> capsule. */
 PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args) {
     Py_buffer g, start, symbol, nbits, base, cost, class_cost, context_of, tag;
-    int start_context, classes, contexts, max_isa;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*iiiy*i", &g, &start, &symbol, &nbits, &base, &cost, &class_cost,
-                          &context_of, &start_context, &classes, &contexts, &tag, &max_isa))
+    int start_context, classes, contexts;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*iiiy*", &g, &start, &symbol, &nbits, &base, &cost, &class_cost,
+                          &context_of, &start_context, &classes, &contexts, &tag))
         return NULL;
     kvn_tans_model *m = NULL;
     int ok = classes >= 1 && classes <= KVN_TANS_MAX_CLASSES && contexts >= 1 && contexts <= KVN_TANS_MAX_CONTEXTS;
@@ -29,7 +29,7 @@ PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args) {
     }
     if (ok)
         m = kvn_tans_model_new(classes, contexts, start_context, g.buf, start.buf, symbol.buf, nbits.buf, base.buf,
-                               cost.buf, class_cost.buf, context_of.buf, tag.buf, max_isa);
+                               cost.buf, class_cost.buf, context_of.buf, tag.buf);
     Py_buffer *all[] = {&g, &start, &symbol, &nbits, &base, &cost, &class_cost, &context_of, &tag};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) PyBuffer_Release(all[i]);
     if (!m) {
@@ -39,20 +39,6 @@ PyObject *kvn_py_ctxtans_model(PyObject *self, PyObject *args) {
     PyObject *capsule = PyCapsule_New(m, CAPSULE_NAME, free_capsule);
     if (!capsule) kvn_tans_model_free(m);
     return capsule;
-}
-
-/* ctxtans_model_isa(capsule) -> the instruction set the model's kernels use (enum kvn_isa). */
-PyObject *kvn_py_ctxtans_model_isa(PyObject *self, PyObject *args) {
-    PyObject *capsule;
-    if (!PyArg_ParseTuple(args, "O", &capsule)) return NULL;
-    const kvn_tans_model *m = kvn_py_tans_model_of(capsule);
-    return m ? PyLong_FromLong(kvn_tans_model_isa(m)) : NULL;
-}
-
-/* isa_best() -> the best instruction set of the lane kernels this CPU runs (enum kvn_isa). */
-PyObject *kvn_py_isa_best(PyObject *self, PyObject *args) {
-    if (!PyArg_ParseTuple(args, "")) return NULL;
-    return PyLong_FromLong(kvn_isa_best());
 }
 
 /* The coder's functions with the model as model_py.h passes it. */

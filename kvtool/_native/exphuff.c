@@ -17,6 +17,7 @@
  */
 #include <stdlib.h>
 
+#include "exphuff_impl.h"
 #include "huffman.h"
 
 #define VERSION 1
@@ -24,12 +25,7 @@
 #define MODE_CODED 0
 #define MODE_ONE_SYMBOL 1
 
-typedef struct {
-    unsigned width;     /* bytes per value */
-    unsigned raw_bytes; /* raw bytes per value */
-    uint8_t emask;      /* the exponent field within the coded byte */
-    unsigned eshift;
-} family;
+typedef kvn_family family;
 
 static const family FAMILIES[KVN_NDTYPES] = {
     [KVN_BF16] = {2, 1, 0xFF, 0},
@@ -118,39 +114,6 @@ KVN_INLINE void split_w(const family *f, const kvn_block *b, const uint8_t *src,
     }
 }
 
-KVN_INLINE void merge_w(const family *f, const kvn_block *b, const uint8_t *sym, const uint8_t *raw,
-                        const uint8_t *refs, uint8_t *restrict shifted, uint8_t *dst, unsigned width) {
-    size_t dim = b->dim;
-    uint8_t keep = (uint8_t)~f->emask, emask = f->emask;
-    for (size_t h = 0; h < b->heads; h++) {
-        for (size_t d = 0; d < dim; d++) shifted[d] = (uint8_t)(refs[h * dim + d] << f->eshift);
-        for (size_t t = 0; t < b->tokens; t++) {
-            size_t i = (h * b->tokens + t) * dim;
-            uint8_t *restrict row = dst + (h * b->head_stride + t * dim) * width;
-            const uint8_t *restrict s = sym + i;
-            if (width == 2) {
-                const uint8_t *restrict r = raw + i;
-                for (size_t d = 0; d < dim; d++) {
-                    uint8_t c = (uint8_t)((s[d] & keep) | ((uint8_t)(s[d] + shifted[d]) & emask));
-                    uint16_t v = (uint16_t)(((r[d] & 0x80u) << 8) | ((unsigned)c << 7) | (r[d] & 0x7Fu));
-                    memcpy(row + 2 * d, &v, 2);
-                }
-            } else if (width == 4) {
-                const uint8_t *restrict r = raw + 3 * i;
-                for (size_t d = 0; d < dim; d++) {
-                    uint8_t c = (uint8_t)((s[d] & keep) | ((uint8_t)(s[d] + shifted[d]) & emask));
-                    uint32_t bits = r[3 * d] | ((uint32_t)r[3 * d + 1] << 8) | ((uint32_t)r[3 * d + 2] << 16);
-                    uint32_t v = ((bits & 0x800000u) << 8) | ((uint32_t)c << 23) | (bits & 0x7FFFFFu);
-                    memcpy(row + 4 * d, &v, 4);
-                }
-            } else {
-                for (size_t d = 0; d < dim; d++)
-                    row[d] = (uint8_t)((s[d] & keep) | ((uint8_t)(s[d] + shifted[d]) & emask));
-            }
-        }
-    }
-}
-
 KVN_MULTIVERSION
 static void channel_refs(const family *f, const kvn_block *b, const uint8_t *src, uint8_t *refs, uint32_t *sum) {
     switch (f->width) {
@@ -167,16 +130,6 @@ static void split(const family *f, const kvn_block *b, const uint8_t *src, const
     case 2: split_w(f, b, src, refs, shifted, sym, raw, 2); break;
     case 4: split_w(f, b, src, refs, shifted, sym, raw, 4); break;
     default: split_w(f, b, src, refs, shifted, sym, raw, 1);
-    }
-}
-
-KVN_MULTIVERSION
-static void merge(const family *f, const kvn_block *b, const uint8_t *sym, const uint8_t *raw, const uint8_t *refs,
-                  uint8_t *shifted, uint8_t *dst) {
-    switch (f->width) {
-    case 2: merge_w(f, b, sym, raw, refs, shifted, dst, 2); break;
-    case 4: merge_w(f, b, sym, raw, refs, shifted, dst, 4); break;
-    default: merge_w(f, b, sym, raw, refs, shifted, dst, 1);
     }
 }
 
@@ -282,10 +235,10 @@ static int decode_lanes(const uint8_t len[256], const uint8_t *p, const uint8_t 
     return rc;
 }
 
-int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len_, void *dst) {
-    int rc = check_block(b);
-    if (rc) return rc;
-    const family *f = &FAMILIES[b->dtype];
+/* A chunk's symbols into sym (n of them, with 32 bytes of room after), and where its raw plane and
+ * channel references lie. */
+static int decode_symbols(const family *f, const kvn_block *b, const uint8_t *src, size_t len_, uint8_t *sym,
+                          const uint8_t **raw_at, const uint8_t **refs_at) {
     size_t n = b->heads * b->tokens * b->dim, channels = b->heads * b->dim;
     const uint8_t *end = src + len_;
     size_t fixed = 2 + channels + n * f->raw_bytes;
@@ -294,57 +247,79 @@ int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len_, void
     unsigned eref_max = f->emask >> f->eshift;
     for (size_t c = 0; c < channels; c++)
         if (refs[c] > eref_max) return KVN_ERR_CORRUPT;
-    uint8_t *sym = malloc(n + 32 + channels);  /* the symbols, then the refs shifted into place */
-    if (!sym) return KVN_ERR_NOMEM;
+    *raw_at = raw;
+    *refs_at = refs;
     if (src[1] == MODE_ONE_SYMBOL) {
-        if (len_ != fixed + 1) { rc = KVN_ERR_CORRUPT; goto done; }
+        if (len_ != fixed + 1) return KVN_ERR_CORRUPT;
         memset(sym, *p, n);
-    } else {
-        size_t lane = 0;
-        if (src[0] == VERSION_LANES) {
-            if ((size_t)(end - p) < 2) { rc = KVN_ERR_CORRUPT; goto done; }
-            lane = (size_t)p[0] | (size_t)p[1] << 8;
-            p += 2;
-            if (lane < KVN_LANE_MIN || lane > KVN_LANE_MAX) { rc = KVN_ERR_CORRUPT; goto done; }
-        }
-        if ((size_t)(end - p) < 32) { rc = KVN_ERR_CORRUPT; goto done; }
-        const uint8_t *bitmap = p;
-        p += 32;
-        int used = 0;
-        for (int i = 0; i < 32; i++) used += __builtin_popcount(bitmap[i]);
-        if (used < 2 || (size_t)(end - p) < (size_t)(used + 1) / 2 + (lane ? 0 : 4 * KVN_HUF_STREAMS)) { rc = KVN_ERR_CORRUPT; goto done; }
-        uint8_t len[256] = {0};
-        int k = 0;
-        for (int s = 0; s < 256; s++) {
-            if (!(bitmap[s >> 3] >> (s & 7) & 1)) continue;
-            len[s] = (p[k >> 1] >> (4 * (k & 1))) & 0xF;
-            if (len[s] == 0) { rc = KVN_ERR_CORRUPT; goto done; }
-            k++;
-        }
-        if ((used & 1) && (p[used >> 1] >> 4)) { rc = KVN_ERR_CORRUPT; goto done; }
-        p += (used + 1) / 2;
-        if (lane) {
-            rc = decode_lanes(len, p, end, sym, n, lane);
-            if (rc) goto done;
-            merge(f, b, sym, raw, refs, sym + n + 32, dst);
-            goto done;
-        }
-        size_t stream_len[KVN_HUF_STREAMS], total = 0;
-        for (int j = 0; j < KVN_HUF_STREAMS; j++) {
-            stream_len[j] = kvn_rd32(p + 4 * j);
-            total += stream_len[j];
-        }
-        p += 4 * KVN_HUF_STREAMS;
-        if (total != (size_t)(end - p)) { rc = KVN_ERR_CORRUPT; goto done; }
-        kvn_huf_entry *lut = malloc(sizeof(kvn_huf_entry) * KVN_HUF_LUT_SIZE);
-        if (!lut) { rc = KVN_ERR_NOMEM; goto done; }
-        rc = kvn_huf_table(len, lut);
-        if (!rc) rc = kvn_huf_decode4(lut, p, stream_len, end, sym, n);
-        free(lut);
-        if (rc) goto done;
+        return KVN_OK;
     }
-    merge(f, b, sym, raw, refs, sym + n + 32, dst);
-done:
+    size_t lane = 0;
+    if (src[0] == VERSION_LANES) {
+        if ((size_t)(end - p) < 2) return KVN_ERR_CORRUPT;
+        lane = (size_t)p[0] | (size_t)p[1] << 8;
+        p += 2;
+        if (lane < KVN_LANE_MIN || lane > KVN_LANE_MAX) return KVN_ERR_CORRUPT;
+    }
+    if ((size_t)(end - p) < 32) return KVN_ERR_CORRUPT;
+    const uint8_t *bitmap = p;
+    p += 32;
+    int used = 0;
+    for (int i = 0; i < 32; i++)
+        for (unsigned bits = bitmap[i]; bits; bits &= bits - 1) used++;
+    if (used < 2 || (size_t)(end - p) < (size_t)(used + 1) / 2 + (lane ? 0 : 4 * KVN_HUF_STREAMS)) return KVN_ERR_CORRUPT;
+    uint8_t len[256] = {0};
+    int k = 0;
+    for (int s = 0; s < 256; s++) {
+        if (!(bitmap[s >> 3] >> (s & 7) & 1)) continue;
+        len[s] = (p[k >> 1] >> (4 * (k & 1))) & 0xF;
+        if (len[s] == 0) return KVN_ERR_CORRUPT;
+        k++;
+    }
+    if ((used & 1) && (p[used >> 1] >> 4)) return KVN_ERR_CORRUPT;
+    p += (used + 1) / 2;
+    if (lane) return decode_lanes(len, p, end, sym, n, lane);
+    size_t stream_len[KVN_HUF_STREAMS], total = 0;
+    for (int j = 0; j < KVN_HUF_STREAMS; j++) {
+        stream_len[j] = kvn_rd32(p + 4 * j);
+        total += stream_len[j];
+    }
+    p += 4 * KVN_HUF_STREAMS;
+    if (total != (size_t)(end - p)) return KVN_ERR_CORRUPT;
+    kvn_huf_entry *lut = malloc(sizeof(kvn_huf_entry) * KVN_HUF_LUT_SIZE);
+    if (!lut) return KVN_ERR_NOMEM;
+    int rc = kvn_huf_table(len, lut);
+    if (!rc) rc = kvn_huf_decode4(lut, p, stream_len, end, sym, n);
+    free(lut);
+    return rc;
+}
+
+static int decode_into(const kvn_block *b, const uint8_t *src, size_t len, const kvn_row_map *to, kvn_xxh3_state *hash) {
+    int rc = check_block(b);
+    if (rc) return rc;
+    const family *f = &FAMILIES[b->dtype];
+    uint8_t *sym = malloc(b->heads * b->tokens * b->dim + 32);
+    if (!sym) return KVN_ERR_NOMEM;
+    const uint8_t *raw = NULL, *refs = NULL;
+    rc = decode_symbols(f, b, src, len, sym, &raw, &refs);
+    if (!rc) rc = kvn_exphuff_merge(f, b, sym, raw, refs, to, hash);
     free(sym);
+    return rc;
+}
+
+int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len, void *dst) {
+    kvn_row_map to = {dst, b->head_stride * kvn_itemsize(b->dtype), NULL};
+    return decode_into(b, src, len, &to, NULL);
+}
+
+int kvn_exphuff_decode_rows(const kvn_block *b, const uint8_t *src, size_t len, uint8_t *const *rows,
+                            uint64_t *raw_hash) {
+    kvn_row_map to = {NULL, 0, rows};
+    kvn_xxh3_state *hash = raw_hash ? malloc(sizeof(kvn_xxh3_state)) : NULL;
+    if (raw_hash && !hash) return KVN_ERR_NOMEM;
+    if (hash) kvn_xxh3_reset(hash);
+    int rc = decode_into(b, src, len, &to, hash);
+    if (hash && !rc) *raw_hash = kvn_xxh3_digest(hash);
+    free(hash);
     return rc;
 }

@@ -73,13 +73,18 @@ int kvn_huf_lengths(const uint32_t count[256], uint8_t len[256]) {
     return n;
 }
 
-static uint16_t reverse_bits(uint16_t code, int bits) {
-    uint16_t r = 0;
-    for (int b = 0; b < bits; b++) r |= (uint16_t)(((code >> b) & 1u) << (bits - 1 - b));
-    return r;
-}
+/* MAXBITS-bit numbers bit-reversed: canonical codes are numbered MSB first, streams read LSB first. */
+#define S2(n) n, n + 2 * 256, n + 1 * 256, n + 3 * 256
+#define S4(n) S2(n), S2(n + 2 * 64), S2(n + 1 * 64), S2(n + 3 * 64)
+#define S6(n) S4(n), S4(n + 2 * 16), S4(n + 1 * 16), S4(n + 3 * 16)
+#define S8(n) S6(n), S6(n + 2 * 4), S6(n + 1 * 4), S6(n + 3 * 4)
+static const uint16_t REVERSED[KVN_HUF_LUT_SIZE] = {S8(0), S8(2), S8(1), S8(3)};
+_Static_assert(KVN_HUF_MAXBITS == 10, "REVERSED is written out for 10 bits");
 
-void kvn_huf_codes(const uint8_t len[256], uint16_t code[256]) {
+static inline uint32_t reverse_bits(uint32_t code, unsigned bits) { return REVERSED[code] >> (KVN_HUF_MAXBITS - bits); }
+
+/* The canonical codes, MSB first: numbered in order of (length, symbol). */
+static void canonical(const uint8_t len[256], uint16_t code[256]) {
     unsigned bl_count[KVN_HUF_MAXBITS + 2] = {0};
     uint16_t next[KVN_HUF_MAXBITS + 2];
     for (int s = 0; s < 256; s++) bl_count[len[s]]++;
@@ -89,51 +94,77 @@ void kvn_huf_codes(const uint8_t len[256], uint16_t code[256]) {
         c = (uint16_t)((c + bl_count[l - 1]) << 1);
         next[l] = c;
     }
-    for (int s = 0; s < 256; s++) code[s] = len[s] ? reverse_bits(next[len[s]]++, len[s]) : 0;
+    for (int s = 0; s < 256; s++) code[s] = len[s] ? next[len[s]]++ : 0;
+}
+
+void kvn_huf_codes(const uint8_t len[256], uint16_t code[256]) {
+    canonical(len, code);
+    for (int s = 0; s < 256; s++) code[s] = len[s] ? (uint16_t)reverse_bits(code[s], len[s]) : 0;
+}
+
+/* The used symbols in canonical order (shortest codes first), for building the decode table. */
+typedef struct {
+    kvn_huf_entry *lut;
+    uint8_t sym[256], len[256];
+    uint16_t canon[256];                /* MSB first */
+    int fits[KVN_HUF_MAXBITS + 1];      /* how many codes are at most this long */
+} table_build;
+
+/* Slots [lo, hi) of the table in MSB-first order (one run there, scattered in the table's own order). */
+static inline void put(kvn_huf_entry *lut, uint32_t lo, uint32_t hi, uint32_t syms, unsigned count, unsigned len1,
+                       unsigned bits) {
+    kvn_huf_entry e = {syms, (uint8_t)count, 0, (uint8_t)len1, (uint8_t)bits};
+    for (uint32_t x = lo; x < hi; x++) lut[REVERSED[x]] = e;
+}
+
+/* The slots whose first L bits read, MSB first, are `prefix`, holding k symbols `syms` (the first `len1`
+ * bits long): those whose next code does not fit in the bits left end here (canonical codes that long
+ * begin with the last windows); each next symbol that fits leads a branch of its own, which ends at
+ * once where it holds four symbols or no code fits after it. */
+static void fill(const table_build *t, uint32_t prefix, unsigned L, unsigned k, uint32_t syms, unsigned len1) {
+    unsigned left = KVN_HUF_MAXBITS - L;
+    int fit = t->fits[left];
+    if (fit < t->fits[KVN_HUF_MAXBITS])
+        put(t->lut, prefix << left | (uint32_t)t->canon[fit] >> (t->len[fit] - left), (prefix + 1) << left, syms, k,
+            len1, L);
+    for (int q = 0; q < fit; q++) {
+        uint32_t at = prefix << t->len[q] | t->canon[q], more = syms | (uint32_t)t->sym[q] << (8 * k);
+        unsigned end = L + t->len[q], first = k ? len1 : t->len[q], rest = KVN_HUF_MAXBITS - end;
+        if (k < 3 && rest >= t->len[0]) fill(t, at, end, k + 1, more, first);
+        else put(t->lut, at << rest, (at + 1) << rest, more, k + 1, first, end);
+    }
 }
 
 int kvn_huf_table(const uint8_t len[256], kvn_huf_entry lut[KVN_HUF_LUT_SIZE]) {
+    /* Every slot gets what a greedy decode of its MAXBITS bits yields: up to four symbols whose codes end
+     * within them. Filled branch by branch of the code tree, not slot by slot. */
+    unsigned count[KVN_HUF_MAXBITS + 1] = {0};
     uint32_t kraft = 0;  /* in units of 2^-MAXBITS */
     for (int s = 0; s < 256; s++) {
         if (len[s] > KVN_HUF_MAXBITS) return KVN_ERR_CORRUPT;
-        if (len[s]) kraft += KVN_HUF_LUT_SIZE >> len[s];
+        count[len[s]]++;
+    }
+    table_build t;
+    t.lut = lut;
+    t.fits[0] = 0;
+    uint16_t next[KVN_HUF_MAXBITS + 1];
+    unsigned slot[KVN_HUF_MAXBITS + 1], c = 0;
+    for (unsigned l = 1; l <= KVN_HUF_MAXBITS; l++) {
+        kraft += count[l] << (KVN_HUF_MAXBITS - l);
+        c = (c + count[l - 1] * (l > 1)) << 1;  /* canonical: the first code of each length */
+        next[l] = (uint16_t)c;
+        slot[l] = (unsigned)t.fits[l - 1];
+        t.fits[l] = t.fits[l - 1] + (int)count[l];
     }
     if (kraft != KVN_HUF_LUT_SIZE) return KVN_ERR_CORRUPT;
-    uint16_t code[256];
-    kvn_huf_codes(len, code);
-    /* First each slot's first symbol and its length. Then, in increasing order, slot i = its first
-     * symbol (l bits) followed by what slot i >> l (final already, as i >> l < i) holds within the
-     * L - l bits left; `ends` keeps per slot the bit position where each of its symbols ends
-     * (255: no such symbol). */
-    static const uint32_t KEEP[4] = {0xFFu, 0xFFFFu, 0xFFFFFFu, 0xFFFFFFFFu};
-    uint8_t first[KVN_HUF_LUT_SIZE], first_len[KVN_HUF_LUT_SIZE];
-    uint32_t syms[KVN_HUF_LUT_SIZE], ends[KVN_HUF_LUT_SIZE];
     for (int s = 0; s < 256; s++) {
-        if (!len[s]) continue;
-        for (uint32_t i = code[s]; i < KVN_HUF_LUT_SIZE; i += 1u << len[s]) {
-            first[i] = (uint8_t)s;
-            first_len[i] = len[s];
-        }
+        unsigned l = len[s];
+        if (!l) continue;
+        t.sym[slot[l]] = (uint8_t)s;
+        t.len[slot[l]] = (uint8_t)l;
+        t.canon[slot[l]++] = next[l]++;
     }
-    for (uint32_t i = 0; i < KVN_HUF_LUT_SIZE; i++) {
-        uint32_t l1 = first_len[i], left = KVN_HUF_MAXBITS - l1, sym = first[i];
-        uint32_t rest_syms, rest_ends;
-        if (i == 0) {  /* slot 0's tail is all zero bits: slot 0 again */
-            rest_syms = sym * 0x01010101u;
-            rest_ends = l1 | (2 * l1) << 8 | (3 * l1) << 16 | 0xFFu << 24;
-        } else {
-            rest_syms = syms[i >> l1];
-            rest_ends = ends[i >> l1];
-        }
-        /* how many of the rest's symbols end within `left` bits (ends increase; 255 marks none) */
-        uint32_t k = ((rest_ends & 0xFFu) <= left) + (((rest_ends >> 8) & 0xFFu) <= left) +
-                     (((rest_ends >> 16) & 0xFFu) <= left);
-        uint32_t keep = KEEP[k];
-        uint32_t e = ((((rest_ends << 8) + l1 * 0x01010100u) | l1) & keep) | ~keep;
-        ends[i] = e;
-        syms[i] = (sym | rest_syms << 8) & keep;
-        lut[i] = (kvn_huf_entry){syms[i], (uint8_t)(k + 1), 0, (uint8_t)l1, (uint8_t)(e >> (8 * k))};
-    }
+    fill(&t, 0, 0, 0, 0, 0);
     return KVN_OK;
 }
 
@@ -179,16 +210,16 @@ void kvn_huf_encode4(const uint8_t *sym, size_t n, const uint16_t code[256], con
  * eight bytes loaded at pos / 8 hold at least 57 unread bits, enough for five lookups of
  * KVN_HUF_MAXBITS bits (<= 55 while MAXBITS <= 11). A sentinel bit at 63, where no lookup reaches, tells by its
  * leading zeros how many bits the five took. Few registers per stream (pos, o) let four
- * streams run side by side. A table slot (uint64): symbols in bits 0-31, their count in
- * bits 32-39, the first one's length in bits 48-55, all their bits in bits 56-63. */
-#define KVN_HUF_STEP(pos, o, in, lut)                                          \
+ * streams run side by side. A lookup reads the slot's symbols, count and bits as three loads
+ * of their own (one register each, no shifting them out of a loaded slot). */
+#define KVN_HUF_STEP(pos, o, in, table)                                        \
     do {                                                                       \
         uint64_t buf_ = (kvn_rd64((in) + ((pos) >> 3)) >> ((pos) & 7)) | 1ull << 63; \
         for (int step_ = 0; step_ < 5; step_++) {                              \
-            uint64_t e_ = (lut)[buf_ & (KVN_HUF_LUT_SIZE - 1)];                \
-            kvn_wr32(o, (uint32_t)e_);                                         \
-            o += (uint8_t)(e_ >> 32);                                          \
-            buf_ >>= e_ >> 56;                                                 \
+            const kvn_huf_entry *e_ = &(table)[buf_ & (KVN_HUF_LUT_SIZE - 1)]; \
+            kvn_wr32(o, e_->syms);                                             \
+            o += e_->count;                                                    \
+            buf_ >>= e_->bits;                                                 \
         }                                                                      \
         pos += (uint64_t)__builtin_clzll(buf_);                                \
     } while (0)
@@ -196,11 +227,30 @@ void kvn_huf_encode4(const uint8_t *sym, size_t n, const uint16_t code[256], con
 /* Room for a step: 20 symbols of output, 8 readable bytes at the position. */
 #define FAST_OK(pos, o, oend) ((oend) - (o) >= 20 && ((pos) >> 3) + 8 <= readable)
 
+/* The 64 bits from bit `pos` on, with the sentinel at 63. */
+static inline uint64_t window(const uint8_t *in, uint64_t pos) { return (kvn_rd64(in + (pos >> 3)) >> (pos & 7)) | 1ull << 63; }
+
+/* One lookup: up to four symbols out, their bits shifted out of the window. */
+#define LOOKUP(buf, o, table)                                             \
+    do {                                                                  \
+        const kvn_huf_entry *e_ = &(table)[(buf) & (KVN_HUF_LUT_SIZE - 1)]; \
+        kvn_wr32(o, e_->syms);                                            \
+        o += e_->count;                                                   \
+        buf >>= e_->bits;                                                 \
+    } while (0)
+
+/* How many steps surely have room from here: at most 20 symbols written and 5 * MAXBITS bits read a step. */
+static inline uint64_t safe_steps(uint64_t pos, const uint8_t *o, const uint8_t *oend, uint64_t readable) {
+    if (oend - o < 20 || (pos >> 3) + 8 > readable) return 0;
+    uint64_t by_out = (uint64_t)(oend - o) / 20, by_in = (8 * (readable - 8) - pos) / (5 * KVN_HUF_MAXBITS) + 1;
+    return by_out < by_in ? by_out : by_in;
+}
+
 /* Finish one stream (bits [pos, end_bit) of `in`) symbol by symbol, reading zeros past its end,
  * and check that it was used up exactly. */
 static int finish(uint64_t pos, uint64_t end_bit, uint8_t *o, uint8_t *oend, const uint8_t *in, uint64_t readable,
-                  const uint64_t *lut) {
-    while (FAST_OK(pos, o, oend)) KVN_HUF_STEP(pos, o, in, lut);
+                  const kvn_huf_entry *table) {
+    while (FAST_OK(pos, o, oend)) KVN_HUF_STEP(pos, o, in, table);
     uint64_t end_byte = (end_bit + 7) >> 3;
     while (o < oend) {
         uint64_t buf = 0;
@@ -208,9 +258,9 @@ static int finish(uint64_t pos, uint64_t end_bit, uint8_t *o, uint8_t *oend, con
             uint64_t at = (pos >> 3) + b;
             buf |= (uint64_t)(at < end_byte ? in[at] : 0) << (8 * b);
         }
-        uint64_t e = lut[(buf >> (pos & 7)) & (KVN_HUF_LUT_SIZE - 1)];
-        *o++ = (uint8_t)e;
-        pos += (e >> 48) & 0xFF;
+        const kvn_huf_entry *e = &table[(buf >> (pos & 7)) & (KVN_HUF_LUT_SIZE - 1)];
+        *o++ = (uint8_t)e->syms;
+        pos += e->len1;
     }
     if (pos > end_bit || end_bit - pos >= 8) return KVN_ERR_CORRUPT;
     return KVN_OK;
@@ -219,7 +269,6 @@ static int finish(uint64_t pos, uint64_t end_bit, uint8_t *o, uint8_t *oend, con
 static inline __attribute__((always_inline)) int decode4(const kvn_huf_entry *table, const uint8_t *in,
                                                         const size_t stream_len[KVN_HUF_STREAMS],
                                                         const uint8_t *readable_end, uint8_t *out, size_t n) {
-    const uint64_t *lut = (const uint64_t *)table;
     uint64_t readable = (uint64_t)(readable_end - in);
     uint64_t begin[KVN_HUF_STREAMS + 1];
     uint8_t *first[KVN_HUF_STREAMS], *last[KVN_HUF_STREAMS];
@@ -232,17 +281,30 @@ static inline __attribute__((always_inline)) int decode4(const kvn_huf_entry *ta
     }
     uint64_t q0 = begin[0], q1 = begin[1], q2 = begin[2], q3 = begin[3];
     uint8_t *o0 = first[0], *o1 = first[1], *o2 = first[2], *o3 = first[3];
-    while (FAST_OK(q0, o0, last[0]) && FAST_OK(q1, o1, last[1]) && FAST_OK(q2, o2, last[2]) &&
-           FAST_OK(q3, o3, last[3])) {
-        KVN_HUF_STEP(q0, o0, in, lut);
-        KVN_HUF_STEP(q1, o1, in, lut);
-        KVN_HUF_STEP(q2, o2, in, lut);
-        KVN_HUF_STEP(q3, o3, in, lut);
+    for (;;) {  /* as many steps as every stream surely has room for, then look again */
+        uint64_t steps = safe_steps(q0, o0, last[0], readable), s;
+        if ((s = safe_steps(q1, o1, last[1], readable)) < steps) steps = s;
+        if ((s = safe_steps(q2, o2, last[2], readable)) < steps) steps = s;
+        if ((s = safe_steps(q3, o3, last[3], readable)) < steps) steps = s;
+        if (!steps) break;
+        for (; steps; steps--) {  /* the four streams' lookups interleaved: four independent chains in a short window */
+            uint64_t b0 = window(in, q0), b1 = window(in, q1), b2 = window(in, q2), b3 = window(in, q3);
+            for (int round = 0; round < 5; round++) {
+                LOOKUP(b0, o0, table);
+                LOOKUP(b1, o1, table);
+                LOOKUP(b2, o2, table);
+                LOOKUP(b3, o3, table);
+            }
+            q0 += (uint64_t)__builtin_clzll(b0);
+            q1 += (uint64_t)__builtin_clzll(b1);
+            q2 += (uint64_t)__builtin_clzll(b2);
+            q3 += (uint64_t)__builtin_clzll(b3);
+        }
     }
     uint64_t pos[] = {q0, q1, q2, q3};
     uint8_t *o[] = {o0, o1, o2, o3};
     for (int k = 0; k < KVN_HUF_STREAMS; k++)
-        if (finish(pos[k], begin[k + 1], o[k], last[k], in, readable, lut) != KVN_OK) return KVN_ERR_CORRUPT;
+        if (finish(pos[k], begin[k + 1], o[k], last[k], in, readable, table) != KVN_OK) return KVN_ERR_CORRUPT;
     return KVN_OK;
 }
 
@@ -258,7 +320,7 @@ __attribute__((target("bmi,bmi2,lzcnt"))) static int decode4_bmi2(const kvn_huf_
 int kvn_huf_decode4(const kvn_huf_entry *table, const uint8_t *in, const size_t stream_len[KVN_HUF_STREAMS],
                     const uint8_t *readable_end, uint8_t *out, size_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("bmi2")) return decode4_bmi2(table, in, stream_len, readable_end, out, n);
+    if (kvn_isa() >= KVN_ISA_AVX2) return decode4_bmi2(table, in, stream_len, readable_end, out, n);
 #endif
     return decode4(table, in, stream_len, readable_end, out, n);
 }

@@ -26,8 +26,29 @@ static inline uint32_t kvn_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 static inline void kvn_wr64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline void kvn_wr32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 
+/* The vector instructions kernels use (isa.c), one level for every kernel of the process: the best level
+ * this CPU (and this build) has, at most the cap set last. Every level writes and reads the same bytes. */
+enum kvn_isa_level { KVN_ISA_SCALAR = 0, KVN_ISA_AVX2 = 1, KVN_ISA_AVX512 = 2 };
+int kvn_isa(void);
+int kvn_isa_best(void);
+void kvn_isa_cap(int level);
+
 /* XXH3-64 with seed 0 and the default secret (xxhash_spec.md), the checksum of .kvz chunks. */
 uint64_t kvn_xxh3_64(const uint8_t *data, size_t len);
+/* The same hash of bytes that arrive in pieces: reset, update with each piece in order, digest. */
+typedef struct {
+    uint64_t acc[8];
+    uint64_t total;
+    unsigned stripe;     /* stripes of the current 1024-byte block already accumulated */
+    unsigned part_len;   /* bytes in part */
+    int held;            /* whether last holds a stripe */
+    uint8_t last[64];    /* the newest whole stripe, held back: it may be the input's last */
+    uint8_t part[64];    /* the bytes after it, fewer than a stripe */
+    uint8_t head[240];   /* the first bytes: an input of at most 240 is hashed from here */
+} kvn_xxh3_state;
+void kvn_xxh3_reset(kvn_xxh3_state *st);
+void kvn_xxh3_update(kvn_xxh3_state *st, const uint8_t *data, size_t len);
+uint64_t kvn_xxh3_digest(const kvn_xxh3_state *st);
 
 /* ---- exphuff: one KV block [heads, tokens, dim] <-> one coded chunk (see exphuff.c) ---- */
 
@@ -60,6 +81,11 @@ size_t kvn_exphuff_bound(const kvn_block *b);
 int kvn_exphuff_encode(const kvn_block *b, const void *src, uint8_t *dst, size_t *written, unsigned lane);
 /* Decode a chunk of either version into the block at `dst` (laid out as b describes). */
 int kvn_exphuff_decode(const kvn_block *b, const uint8_t *src, size_t len, void *dst);
+/* The same values, row (h, t) (dim values) written to rows[h * tokens + t], or nowhere where that is NULL; with
+ * raw_hash, the XXH3-64 of the whole block's bytes in C order (rows written nowhere included) lands there. The rows
+ * are written before the hash is known: a caller that finds it wrong must treat them as garbage. */
+int kvn_exphuff_decode_rows(const kvn_block *b, const uint8_t *src, size_t len, uint8_t *const *rows,
+                            uint64_t *raw_hash);
 
 /* ---- int: the lossy int:BITS stage, both ways (see intquant.c) ---- */
 

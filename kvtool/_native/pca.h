@@ -32,10 +32,9 @@ typedef struct {
     int64_t table_costs[KVN_PCA_MAX_CLASSES][KVN_PCA_SYMBOLS], class_costs[KVN_PCA_MAX_CLASSES + 1];
     /* The decoder's: per model and slot, (frequency, slot - cumulative frequency, symbol) packed as 12, 11 and 6
      * bits; the basis rows two by two, row 2p's entry in the low and row 2p + 1's in the high half of an int32
-     * ([ceil(c / 2)][width], zero past the last row); whether AVX2 decodes. */
+     * ([ceil(c / 2)][width], zero past the last row). */
     uint32_t slots[KVN_PCA_MAX_CLASSES + 1][1 << KVN_PCA_PROB_BITS];
     int32_t *pairs;
-    int avx2;
 } kvn_pca_model;
 
 /* The plane's bytes for a block of `tokens` tokens of `dtype`. */

@@ -137,6 +137,7 @@ typedef struct {
     float *x, *cs, *sn;
     uint8_t *cls;
     uint32_t *live;         /* the components with a class, in order */
+    int avx2;               /* the basis sums in AVX2 (the process's vector level, kvn_isa(), asked once a plane) */
 } decode_scratch;
 
 /* One coded token's values from its coefficient pairs, into its rows. */
@@ -144,7 +145,7 @@ static void restore_token(const kvn_pca_model *m, int dtype, uint64_t position, 
                           size_t tokens, size_t t) {
     size_t npairs = (m->components + 1) / 2;
 #ifdef PCA_AVX2
-    if (m->avx2) sums_avx2(m->pairs, s->q2, npairs, m->width, s->sums);
+    if (s->avx2) sums_avx2(m->pairs, s->q2, npairs, m->width, s->sums);
     else
 #endif
         sums_plain(m->pairs, s->q2, npairs, m->width, s->sums);
@@ -256,7 +257,10 @@ int kvn_pca_decode_rows(const kvn_pca_model *m, int dtype, size_t tokens, const 
     }
     size_t c = m->components, npairs = (c + 1) / 2 + 1;
     decode_scratch s = {malloc(4 * npairs), malloc(4 * m->width), malloc(4 * m->width), malloc(2 * m->dim + 4),
-                        malloc(2 * m->dim + 4), malloc(c + 1), malloc(4 * c + 4)};
+                        malloc(2 * m->dim + 4), malloc(c + 1), malloc(4 * c + 4), 0};
+#ifdef PCA_AVX2
+    s.avx2 = kvn_isa() >= KVN_ISA_AVX2;
+#endif
     int rc = s.q2 && s.sums && s.x && s.cs && s.sn && s.cls && s.live ? decode_coded(m, dtype, tokens, plane, plane_len, rows, &s)
                                                                      : KVN_ERR_NOMEM;
     free(s.q2);

@@ -72,10 +72,6 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
     for (int k = 0; k < classes; k++)
         for (int s = 0; s < KVN_PCA_SYMBOLS; s++) m->table_costs[k][s] = table_costs[k * KVN_PCA_SYMBOLS + s];
     for (int k = 0; k <= classes; k++) m->class_costs[k] = class_costs[k];
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    m->avx2 = __builtin_cpu_supports("avx2");
-#endif
     return m;
 }
 

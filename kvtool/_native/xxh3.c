@@ -1,7 +1,8 @@
 /* XXH3-64 (seed 0, default secret), written from the algorithm's specification
  * (xxhash_spec.md, "XXH3 Algorithm Description"). The Python `xxhash` package
  * computes the same function; tests check the two agree on every input length
- * class. Here it lets a whole batch of chunks be verified without the GIL.
+ * class. Here it lets a whole batch of chunks be verified without the GIL, and a
+ * decoder hash its output in pieces while they are still in cache (kvn_xxh3_update).
  */
 #include "kvn.h"
 
@@ -122,32 +123,45 @@ static inline void scramble(uint64_t acc[8]) {
     }
 }
 
-static void accumulate_blocks_scalar(uint64_t acc[8], const uint8_t *p, size_t blocks) {
-    for (size_t b = 0; b < blocks; b++, p += BLOCK) {
-        for (size_t n = 0; n < STRIPES_PER_BLOCK; n++) accumulate(acc, p + n * STRIPE, SECRET + 8 * n);
+/* Accumulate n stripes from p, the first being stripe *at of its block; a block's last stripe is
+ * followed by the scramble. Every variant below computes the same acc. */
+static void consume_portable(uint64_t acc[8], const uint8_t *p, size_t n, unsigned *at) {
+    unsigned s = *at;
+    while (n) {
+        size_t run = n < STRIPES_PER_BLOCK - s ? n : STRIPES_PER_BLOCK - s;  /* to the block's end at most */
+        n -= run;
+        for (const uint8_t *secret = SECRET + 8 * s, *stop = secret + 8 * run; secret < stop; secret += 8, p += STRIPE)
+            accumulate(acc, p, secret);
+        if ((s += (unsigned)run) < STRIPES_PER_BLOCK) continue;
+        s = 0;
         scramble(acc);
     }
+    *at = s;
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-/* The same rounds on four 64-bit lanes at a time. */
-__attribute__((target("avx2"))) static void accumulate_blocks_avx2(uint64_t acc[8], const uint8_t *p, size_t blocks) {
+/* Four 64-bit lanes at a time. */
+__attribute__((target("avx2"))) static void consume_avx2(uint64_t acc[8], const uint8_t *p, size_t n, unsigned *at) {
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc), a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     const __m256i prime = _mm256_set1_epi32((int)P32_1);
     const uint8_t *last = SECRET + sizeof(SECRET) - STRIPE;
-    for (size_t b = 0; b < blocks; b++, p += BLOCK) {
-        for (size_t n = 0; n < STRIPES_PER_BLOCK; n++) {
-            const uint8_t *d = p + n * STRIPE, *s = SECRET + 8 * n;
-            __m256i d0 = _mm256_loadu_si256((const __m256i *)d), d1 = _mm256_loadu_si256((const __m256i *)(d + 32));
-            __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)s));
-            __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256((const __m256i *)(s + 32)));
+    unsigned s = *at;
+    while (n) {
+        size_t run = n < STRIPES_PER_BLOCK - s ? n : STRIPES_PER_BLOCK - s;  /* to the block's end at most */
+        n -= run;
+        for (const uint8_t *k = SECRET + 8 * s, *stop = k + 8 * run; k < stop; k += 8, p += STRIPE) {
+            __m256i d0 = _mm256_loadu_si256((const __m256i *)p), d1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+            __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)k));
+            __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256((const __m256i *)(k + 32)));
             __m256i p0 = _mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32));
             __m256i p1 = _mm256_mul_epu32(k1, _mm256_srli_epi64(k1, 32));
             /* acc[i ^ 1] += data[i]: swap the 64-bit halves of each 128-bit pair. */
             a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
             a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
         }
+        if ((s += (unsigned)run) < STRIPES_PER_BLOCK) continue;
+        s = 0;
         __m256i s0 = _mm256_loadu_si256((const __m256i *)last), s1 = _mm256_loadu_si256((const __m256i *)(last + 32));
         a0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)), s0);
         a1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)), s1);
@@ -159,29 +173,116 @@ __attribute__((target("avx2"))) static void accumulate_blocks_avx2(uint64_t acc[
     }
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+    *at = s;
 }
 
-static void accumulate_blocks(uint64_t acc[8], const uint8_t *p, size_t blocks) {
-    if (__builtin_cpu_supports("avx2")) accumulate_blocks_avx2(acc, p, blocks);
-    else accumulate_blocks_scalar(acc, p, blocks);
+/* A whole stripe in one register. */
+__attribute__((target("avx512f"))) static void consume_avx512(uint64_t acc[8], const uint8_t *p, size_t n,
+                                                               unsigned *at) {
+    __m512i a = _mm512_loadu_si512(acc);
+    const __m512i prime = _mm512_set1_epi32((int)P32_1), last = _mm512_loadu_si512(SECRET + sizeof(SECRET) - STRIPE);
+    unsigned s = *at;
+    while (n) {
+        size_t run = n < STRIPES_PER_BLOCK - s ? n : STRIPES_PER_BLOCK - s;  /* to the block's end at most */
+        n -= run;
+        for (const uint8_t *secret = SECRET + 8 * s, *stop = secret + 8 * run; secret < stop; secret += 8, p += STRIPE) {
+            __m512i d = _mm512_loadu_si512(p);
+            __m512i k = _mm512_xor_si512(d, _mm512_loadu_si512(secret));
+            __m512i prod = _mm512_mul_epu32(k, _mm512_srli_epi64(k, 32));
+            a = _mm512_add_epi64(a, _mm512_add_epi64(prod, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+        }
+        if ((s += (unsigned)run) < STRIPES_PER_BLOCK) continue;
+        s = 0;
+        a = _mm512_xor_si512(_mm512_xor_si512(a, _mm512_srli_epi64(a, 47)), last);
+        __m512i lo = _mm512_mul_epu32(a, prime), hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+        a = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+    }
+    _mm512_storeu_si512(acc, a);
+    *at = s;
 }
-#else
-#define accumulate_blocks accumulate_blocks_scalar
 #endif
 
-static uint64_t hash_large(const uint8_t *p, size_t len) {
-    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
-    size_t blocks = (len - 1) / BLOCK;  /* the last block, even if full, is left for below */
-    accumulate_blocks(acc, p, blocks);
-    const uint8_t *last = p + blocks * BLOCK;
-    size_t rest = len - blocks * BLOCK;
-    size_t full_stripes = (rest - 1) / STRIPE;
-    for (size_t n = 0; n < full_stripes; n++) accumulate(acc, last + n * STRIPE, SECRET + 8 * n);
-    accumulate(acc, p + len - STRIPE, SECRET + sizeof(SECRET) - STRIPE - 7);
+static void consume(uint64_t acc[8], const uint8_t *p, size_t n, unsigned *at) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    int isa = kvn_isa();
+    if (isa >= KVN_ISA_AVX512) { consume_avx512(acc, p, n, at); return; }
+    if (isa >= KVN_ISA_AVX2) { consume_avx2(acc, p, n, at); return; }
+#endif
+    consume_portable(acc, p, n, at);
+}
+
+static const uint64_t INIT[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+
+/* The end of a long input: its last 64 bytes with their own secret, then the accumulators folded. */
+static uint64_t finish_large(uint64_t acc[8], const uint8_t *last_stripe, uint64_t len) {
+    accumulate(acc, last_stripe, SECRET + sizeof(SECRET) - STRIPE - 7);
     uint64_t result = len * P64_1;
     for (int i = 0; i < 4; i++)
         result += fold128(acc[2 * i] ^ kvn_rd64(SECRET + 11 + 16 * i), acc[2 * i + 1] ^ kvn_rd64(SECRET + 19 + 16 * i));
     return avalanche(result);
+}
+
+/* Every whole stripe but the last 64 bytes' (the last block is never scrambled, even if full). */
+static uint64_t hash_large(const uint8_t *p, size_t len) {
+    uint64_t acc[8];
+    memcpy(acc, INIT, sizeof(acc));
+    unsigned at = 0;
+    size_t blocks = (len - 1) / BLOCK, rest = len - blocks * BLOCK;
+    consume(acc, p, blocks * STRIPES_PER_BLOCK + (rest - 1) / STRIPE, &at);
+    return finish_large(acc, p + len - STRIPE, len);
+}
+
+void kvn_xxh3_reset(kvn_xxh3_state *st) {
+    memcpy(st->acc, INIT, sizeof(st->acc));
+    st->total = 0;
+    st->stripe = st->part_len = 0;
+    st->held = 0;
+}
+
+/* Whole stripes in: the one held back goes first, the newest is held back in its turn. */
+static void take_stripes(kvn_xxh3_state *st, const uint8_t *p, size_t n) {
+    if (st->held) consume(st->acc, st->last, 1, &st->stripe);
+    consume(st->acc, p, n - 1, &st->stripe);
+    memcpy(st->last, p + (n - 1) * STRIPE, STRIPE);
+    st->held = 1;
+}
+
+void kvn_xxh3_update(kvn_xxh3_state *st, const uint8_t *p, size_t len) {
+    if (st->total < sizeof(st->head)) {
+        size_t n = sizeof(st->head) - st->total < len ? sizeof(st->head) - st->total : len;
+        memcpy(st->head + st->total, p, n);
+    }
+    st->total += len;
+    if (st->part_len) {
+        size_t n = STRIPE - st->part_len < len ? STRIPE - st->part_len : len;
+        memcpy(st->part + st->part_len, p, n);
+        st->part_len += (unsigned)n;
+        p += n;
+        len -= n;
+        if (st->part_len < STRIPE) return;
+        st->part_len = 0;
+        take_stripes(st, st->part, 1);
+    }
+    if (len >= STRIPE) {
+        take_stripes(st, p, len / STRIPE);
+        p += len / STRIPE * STRIPE;
+        len %= STRIPE;
+    }
+    memcpy(st->part, p, len);
+    st->part_len = (unsigned)len;
+}
+
+uint64_t kvn_xxh3_digest(const kvn_xxh3_state *st) {
+    if (st->total <= sizeof(st->head)) return kvn_xxh3_64(st->head, st->total);
+    uint64_t acc[8];
+    uint8_t last[STRIPE];
+    memcpy(acc, st->acc, sizeof(acc));
+    if (!st->part_len) return finish_large(acc, st->last, st->total);
+    unsigned at = st->stripe;
+    consume(acc, st->last, 1, &at);  /* a whole stripe, not the last 64 bytes: those end in part */
+    memcpy(last, st->last + st->part_len, STRIPE - st->part_len);
+    memcpy(last + STRIPE - st->part_len, st->part, st->part_len);
+    return finish_large(acc, last, st->total);
 }
 
 uint64_t kvn_xxh3_64(const uint8_t *data, size_t len) {

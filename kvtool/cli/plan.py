@@ -44,6 +44,8 @@ def plan(
     codec: Optional[List[str]] = typer.Option(None, help="NAME:RATIO:DECODE_GB_PER_S per codec (repeatable)."),
     bench_json: Optional[Path] = typer.Option(None, help="Codec ratios and decode rates from `kvtool bench --json`."),
     build_gbps: Optional[float] = typer.Option(None, help="GB/s into the engine's cache (host-to-device on a GPU)."),
+    decode_cores: float = typer.Option(1.0, min=0.01, help="Cores free for decoding: each codec's decode rate is "
+                                       "one core's, and a restore's chunks decode in parallel."),
     chunk_tokens: Optional[int] = typer.Option(None, min=1, show_default=False,
                                                help="Tokens per store entry (latency is paid per entry); default: the hardware's, else 256."),
     contexts: str = typer.Option("1024,4096,16384,32768,131072", help="Comma-separated context lengths to predict."),
@@ -54,7 +56,8 @@ def plan(
     validate: Optional[Path] = typer.Option(None, help="A `kvtool bench ttft --json` result to compare the predictions with."),
     json_out: bool = JSON_OPTION,
 ):
-    """Predict TTFT with restore vs recompute per context, break-even context per tier and codec, and KV bytes.
+    """Predict TTFT with restore vs recompute per context, break-even context per tier and codec, whether each
+    codec restores faster than storing raw on each tier, and KV bytes.
 
     A cost model, not a measurement: it needs the model's shape and the hardware's speeds
     (--hardware NAME, --calibrate, or --prefill-*, --tier, --codec and --build-gbps), and prints
@@ -63,13 +66,14 @@ def plan(
     shape = _shape(model_config, name, layers, kv_heads, head_dim, dtype)
     measured = json.loads(existing_file(calibrate).read_text()) if calibrate else None
     given = _given(prefill_tps, prefill_fit, tier, codec, bench_json, build_gbps)
-    inputs = _inputs(shape, measured, hardware, given, chunk_tokens)
+    inputs = replace(_inputs(shape, measured, hardware, given, chunk_tokens), decode_cores=decode_cores)
     ctx = _ints(contexts)
     report = {
         "label": "model output (kvtool plan), not a measurement",
         "inputs": inputs.to_dict(),
         "predictions": model.predict(inputs, ctx, hit_rate),
         "break_even": model.break_even_table(inputs),
+        "pays": model.pays_table(inputs),
         "capacity": [
             {"codec": c.name, "context": context, "concurrency": concurrency, "retained": retained, **model.capacity(inputs, c, context, concurrency, retained)}
             for c in inputs.codecs
@@ -123,6 +127,7 @@ def _print_report(report: dict, shape: ModelShape, inputs: model.Inputs, validat
     typer.echo("Break-even: shortest stored prefix (tokens) that restores faster than it recomputes "
                f"({NEVER}: recomputing stays faster up to {model.BREAK_EVEN_LIMIT} tokens):")
     print_table(list(breaks.values()), ["tier", *codecs])
+    _print_pays(report["pays"], inputs.decode_cores)
     if report["capacity"]:
         first = report["capacity"][0]
         typer.echo("")
@@ -135,6 +140,25 @@ def _print_report(report: dict, shape: ModelShape, inputs: model.Inputs, validat
         typer.echo("Predictions against the measurements:")
         print_table(report["validation"], ["config", "turn", "tokens", "measured_s", "predicted_s", "error"])
         typer.echo(f"largest error: {100 * report['max_abs_error']:.1f}%")
+
+
+def _print_pays(rows: list[dict], cores: float) -> None:
+    """Per tier and codec: restore seconds per GB of KV against the uncompressed baseline, and where it pays."""
+    if not rows:
+        return
+    typer.echo("")
+    typer.echo(f"Does compression pay? Restore seconds per GB of KV (read the stored bytes, decode on {cores:g} "
+               f"core{'s' if cores != 1 else ''}) against {rows[0]['baseline']}, and the tier speed below which it pays:")
+    print_table([{"tier": r["tier"], "tier GB/s": f"{r['bandwidth'] / GB:g}", "codec": r["codec"], "s/GB": r["seconds_per_gb"],
+                  f"{r['baseline']} s/GB": r["baseline_seconds_per_gb"], "saving": f"{r['saving']:+.0%}",
+                  "pays": "yes" if r["pays"] else "no", "pays below": _speed(r["pays_below"])} for r in rows],
+                ["tier", "tier GB/s", "codec", "s/GB", f"{rows[0]['baseline']} s/GB", "saving", "pays", "pays below"])
+
+
+def _speed(bandwidth: float | None) -> str:
+    if bandwidth is None:
+        return "any speed"
+    return "never" if bandwidth == 0 else f"{bandwidth / GB:.2f} GB/s ({bandwidth * 8 / GB:.1f} Gbit/s)"
 
 
 #: A break-even cell where restoring never wins.

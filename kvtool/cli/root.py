@@ -33,7 +33,7 @@ COMMANDS = {
                        "bench ttft` measures time to first token, restoring vs recomputing; `kvtool bench accuracy` "
                        "measures what lossy recipes cost the model.")),
     "plan": ("plan", ("Predict TTFT with restore vs recompute per context, break-even context per tier and codec, "
-                     "and KV bytes.")),
+                     "whether each codec restores faster than storing raw on each tier, and KV bytes.")),
     "store": ("store", ("Put, get, list and evict entries of a KV cache store (memory, file, redis, or tiers of them), "
                        "or of a running API server's store with --api.")),
     "serve": ("serve", ("Serve the hot/cold scheduling API (pin, prefetch, offload, evict, hint, lookup, events, "

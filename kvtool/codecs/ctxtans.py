@@ -31,7 +31,6 @@ from kvtool._native import ctxtans_reference as reference
 from kvtool._native.batch import BatchCodec
 from kvtool._native.core_api import CoderModel, NativeCore
 from kvtool._native.ctxtans_tables import TansTables
-from kvtool.codecs.base import Availability
 from kvtool.codecs.dictionary_codec import DictionaryCodec
 from kvtool.modeldict import registry
 from kvtool.modeldict.format import Dictionary
@@ -44,24 +43,22 @@ _tables: dict[str, tuple[TansTables, object]] = {}  # dictionary id -> its table
 
 def tables_of(dictionary: Dictionary) -> tuple[TansTables, object]:
     """A dictionary's tables (11-bit models; tANS tables for chunk versions 1 and 2) and the core's copy of them
-    (None without the core), built once per process; the core's kernels use the best instruction set the CPU has
-    within ``KVTOOL_SIMD``."""
+    (None without the core), built once per process."""
     with _tables_lock:
         if dictionary.id not in _tables:
             t = TansTables.of(dictionary.tables)
             core = _native.core()
-            _tables[dictionary.id] = (t, None if core is None else core_model(core, t, dictionary.tag, _native.isa_limit()))
+            _tables[dictionary.id] = (t, None if core is None else core_model(core, t, dictionary.tag))
         return _tables[dictionary.id]
 
 
-def core_model(core: NativeCore, t: TansTables, tag: bytes, max_isa: int) -> CoderModel:
-    """The core's copy of the tables, its kernels using no better instruction set than ``max_isa`` (of ``_native.ISAS``)."""
+def core_model(core: NativeCore, t: TansTables, tag: bytes) -> CoderModel:
+    """The core's copy of the tables; its kernels run the process's instruction set (``_native.isa_here()``)."""
     ct = t.coder
     return core.ctxtans_model(
         t.g.astype("<u2").tobytes(), t.start.astype("<u2").tobytes(), t.symbol.astype(np.uint8).tobytes(),
         t.nbits.astype(np.uint8).tobytes(), t.base.astype("<u2").tobytes(), t.cost.astype("<i4").tobytes(),
         t.class_cost.astype("<i4").tobytes(), ct.context_of.tobytes(), ct.start_context, ct.classes, ct.contexts, tag,
-        max_isa,
     )
 
 
@@ -71,13 +68,6 @@ class CtxTansCodec(DictionaryCodec):
     reference_module: ClassVar[ModuleType] = reference
     core_encode, core_decode = "ctxtans_encode", "ctxtans_decode"
     max_tokens = MAX_TOKENS
-
-    @classmethod
-    def available(cls) -> Availability:
-        implementation = _native.status()
-        if _native.core() is not None:
-            implementation += f", {_native.isa_here()} kernels"
-        return Availability(True, implementation=implementation)
 
     def dictionary(self) -> Dictionary:
         """The dictionary this codec codes with (looked up on first use)."""

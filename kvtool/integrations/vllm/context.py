@@ -21,11 +21,12 @@ from typing import Any, Mapping
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
 from kvtool.integrations.vllm import shared_store
-from kvtool.integrations.vllm.kv_groups import ModelKV, recipe_problem
+from kvtool.integrations.vllm.kv_groups import ModelKV
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, empty, merge, summary
 from kvtool.recipe import Recipe
 from kvtool.store import Store
+from kvtool.entries import recipe_problem
 from kvtool.entries.names import EntryNamer
 
 log = logging.getLogger("kvtool.vllm")
