@@ -112,6 +112,12 @@ class Recipe:
         layouts = self.layouts.for_kind(kind, layer)
         return self if layouts is self.layouts else Recipe(layouts, self.codec, self.plane_codecs)
 
+    def for_block(self, position: int, end: int) -> "Recipe":
+        """The recipe as it applies to a block at sequence ``position`` of a cache ending before ``end``; see
+        ``Layout.for_block``."""
+        layouts = self.layouts.for_block(position, end)
+        return self if layouts is self.layouts else Recipe(layouts, self.codec, self.plane_codecs)
+
     def spec(self) -> str:
         codec_stage = ",".join([self.codec.spec()] + [f"{p}={c.spec()}" for p, c in self.plane_codecs.items()])
         layouts = self.layouts.spec()

@@ -475,6 +475,9 @@ int kvn_py_intquant_add_constants(PyObject *module);
 /* The int stage's coded codes plane (codes=ctx) lives in intcodes.c. */
 PyObject *kvn_py_int_codes_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_int_codes_decode(PyObject *self, PyObject *args);
+PyObject *kvn_py_pca_model(PyObject *self, PyObject *args);
+PyObject *kvn_py_pca_encode(PyObject *self, PyObject *args);
+PyObject *kvn_py_pca_decode(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", kvn_py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer, in one piece or in pieces of a given size."},
@@ -497,6 +500,9 @@ static PyMethodDef methods[] = {
     {"error_stats", kvn_py_error_stats, METH_VARARGS, "A lossy block's (max abs error, squared errors, squared values), as numpy sums them."},
     {"int_codes_encode", kvn_py_int_codes_encode, METH_VARARGS, "Code one block's packed int codes as a codes=ctx plane; returns a status."},
     {"int_codes_decode", kvn_py_int_codes_decode, METH_VARARGS, "The packed int codes a codes=ctx plane holds; returns 0 or why it is refused."},
+    {"pca_model", kvn_py_pca_model, METH_VARARGS, "One tensor's pca coder (basis, step, tables), as a capsule."},
+    {"pca_encode", kvn_py_pca_encode, METH_VARARGS, "Code one C-contiguous block as a pca plane; returns a status."},
+    {"pca_decode", kvn_py_pca_decode, METH_VARARGS, "Restore one pca plane into a C-contiguous block; returns a status."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };

@@ -12,43 +12,10 @@
  * and left to the reference: they come only from damaged or crafted files, and finite ones keep
  * every value finite (below 2^25), so no NaN payload rule is needed here. */
 #include "kvn.h"
+#include "floats.h"
 
 #include <math.h>
 #include <stdlib.h>
-
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    float magnitude;
-    if (exponent == 0) {
-        magnitude = ldexpf((float)mantissa, -24);  /* zero or subnormal: mantissa * 2^-24, exact */
-    } else {
-        uint32_t bits = ((exponent + 112u) << 23) | (mantissa << 13);
-        memcpy(&magnitude, &bits, 4);
-    }
-    uint32_t out;
-    memcpy(&out, &magnitude, 4);
-    out |= sign;
-    memcpy(&magnitude, &out, 4);
-    return magnitude;
-}
-
-static uint16_t f32_to_bf16(float value) {
-    uint32_t x;
-    memcpy(&x, &value, 4);
-    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
-
-static uint16_t f32_to_f16(float value) {
-    uint32_t x;
-    memcpy(&x, &value, 4);
-    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    x &= 0x7FFFFFFFu;
-    if (x >= 0x477FF000u) return sign | 0x7C00u;  /* 65520 and above round to infinity */
-    if (x < 0x38800000u)                          /* below 2^-14: a subnormal half, in steps of 2^-24 */
-        return sign | (uint16_t)nearbyintf(fabsf(value) * 16777216.0f);
-    x += 0xFFFu + ((x >> 13) & 1u);  /* round the 13 dropped mantissa bits to nearest even */
-    return sign | (uint16_t)((x - (112u << 23)) >> 13);
-}
 
 /* Codes d.. of a row from 64-bit big-endian windows, eight codes each, while a window lies inside the
  * plane; `bits` is a constant in each caller, so the shifts are too. Returns how many it unpacked. */

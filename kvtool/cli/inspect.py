@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 import typer
@@ -11,6 +11,7 @@ import typer
 from kvtool import kvz, stats
 from kvtool.cache import KVCache
 from kvtool.cli._common import JSON_OPTION, REORDERED_TAG, Command, existing_file, print_json, print_table, safetensors_format
+from kvtool.cli.dicts import DICT_OPTION, use_dictionaries
 from kvtool.errors import UsageError
 from kvtool.layouts.lossy import lossy_stages
 from kvtool.units import format_size
@@ -22,8 +23,10 @@ def inspect(
     file: Path = typer.Argument(..., help="A KV cache: a safetensors dump or a .kvz file."),
     json_out: bool = JSON_OPTION,
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help=PATTERN_HELP),
+    dictionaries: Optional[List[Path]] = DICT_OPTION,
 ):
     """Show a cache's model, shape, dtype and provenance, and per layer its values' statistics (a raw cache) or compression ratios (a .kvz)."""
+    use_dictionaries([file], dictionaries)  # a transform stage's basis is reported by its dictionary
     report = file_report(existing_file(file), pattern)
     if json_out:
         print_json(report)
@@ -96,12 +99,24 @@ def lossy_summary(reader: kvz.KvzReader) -> dict[str, Any] | None:
     if reader.lossy is None:
         return None
     errors = reader.lossy["error"]
-    return {
+    summary = {
         "stage": lossy_stages(reader.recipe.layouts),
         "max_abs": max((e["max_abs"] for e in errors), default=0.0),
         "rel_rms": max((e["rel_rms"] for e in errors), default=0.0),
         "error": errors,
     }
+    described = [layout.describe() for layout in reader.recipe.layouts if layout.lossy and hasattr(layout, "describe")]
+    return {**summary, "basis": described[0]} if described else summary
+
+
+def basis_line(basis: dict[str, Any]) -> str:
+    """The dictionary a transform stage coded with, in one line."""
+    if not basis.get("found", True):
+        return f"dictionary {basis['dictionary']}, not found here (it is needed to restore the cache)"
+    steps = ", ".join(f"{kind.upper()} {step:.4g}" for kind, step in basis["steps"].items())
+    exact = f"first {basis['sink']} tokens" + (f" and last {basis['recent']}" if basis["recent"] else "") + " exact"
+    rope = "keys de-rotated, " if basis["rope"] else ""
+    return f"dictionary {basis['dictionary']} ({basis['learnt_from']}), {rope}steps {steps} of each tensor's RMS, {exact}"
 
 
 def lossy_note(reader: kvz.KvzReader) -> str:
@@ -193,6 +208,8 @@ def print_kvz_report(report: dict[str, Any]) -> None:
             f"  lossy       yes: stage {lossy['stage']}, largest error {lossy['max_abs']:.4g}, RMS error at most "
             f"{100 * lossy['rel_rms']:.3g}% of a tensor's RMS (measured when written; per layer below)"
         )
+        if "basis" in lossy:
+            typer.echo(f"  basis       {basis_line(lossy['basis'])}")
     typer.echo(
         f"  shape       {report['layers']} layers x K/V [{report['kv_heads']} heads, {report['tokens']} tokens, "
         f"{report['head_dim']} dims] {report['dtype']}, {report['chunks']} chunks of {report['chunk_tokens']} tokens"

@@ -51,7 +51,7 @@ class CtxAnsCodec(DictionaryCodec):
     def _loaded(self) -> tuple[Dictionary, object]:
         with self._lock:
             if self._state is None:
-                dictionary = registry.lookup(self.dict)
+                dictionary = registry.context_models(self.dict)
                 core = _native.core()
                 model = None
                 if core is not None:

@@ -71,7 +71,7 @@ class CtxTansCodec(DictionaryCodec):
 
     def dictionary(self) -> Dictionary:
         """The dictionary this codec codes with (looked up on first use)."""
-        return registry.lookup(self.dict)
+        return registry.context_models(self.dict)
 
     def model(self) -> object | None:
         """The core's copy of the dictionary's tables (None without the core): what the batch path codes with."""

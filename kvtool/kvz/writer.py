@@ -79,7 +79,7 @@ def write_cache(
         # encoded: the chunks wait in memory (a fraction of the cache) and follow the header.
         tally = ErrorTally(tensors)
         body = io.BytesIO()
-        _write_blocks(body, tensors, recipe, chunk_tokens, threads, 0, records, on_progress, tally)
+        _write_blocks(body, tensors, recipe, chunk_tokens, threads, 0, records, on_progress, tally, cache.token_start)
         header = _header_bytes(cache, recipe, chunk_tokens, metadata or {}, tally.rows())
         offset = PREAMBLE.size + len(header)
         records = [(*r[:5], r[5] + offset, *r[6:]) for r in records]
@@ -96,7 +96,8 @@ def write_cache(
         if batch is not None:
             offset = _write_tensors(out, tensors, batch, chunk_tokens, threads, offset, records, on_progress)
         else:
-            offset = _write_blocks(out, tensors, recipe, chunk_tokens, threads, offset, records, on_progress)
+            offset = _write_blocks(out, tensors, recipe, chunk_tokens, threads, offset, records, on_progress,
+                                   token_start=cache.token_start)
     index = np.array(records, dtype=INDEX_DTYPE).tobytes()
     out.write(index)
     fields = (offset, len(index), len(records), len(header), xxhash.xxh3_64_intdigest(header), xxhash.xxh3_64_intdigest(index))
@@ -105,9 +106,11 @@ def write_cache(
 
 
 def _write_blocks(out: BinaryIO, tensors: Tensors, recipe: Recipe, chunk_tokens: int, threads: int | None, offset: int,
-                  records: list[Record], on_progress: Callable[[int], None] | None, tally: ErrorTally | None = None) -> int:
-    """The per-chunk path: any recipe, one block at a time through its layouts and codecs; a lossy
-    recipe's round trip error goes to ``tally``."""
+                  records: list[Record], on_progress: Callable[[int], None] | None, tally: ErrorTally | None = None,
+                  token_start: int = 0) -> int:
+    """The per-chunk path: any recipe, one block at a time through its layouts and codecs (bound to the block's
+    tensor and sequence position, the cache starting at ``token_start``); a lossy recipe's round trip error goes
+    to ``tally``."""
     blocks = (
         _Block(i, start, array[:, start : start + chunk_tokens])
         for i, (_, _, array) in enumerate(tensors)
@@ -115,9 +118,10 @@ def _write_blocks(out: BinaryIO, tensors: Tensors, recipe: Recipe, chunk_tokens:
     )
 
     bound = [recipe.for_kind(kind, layer) for layer, kind, _ in tensors]  # once a tensor, not once a block
+    start, end = token_start, token_start + (tensors[0][2].shape[1] if tensors else 0)
 
     def encode(block: _Block) -> tuple[list[EncodedPlane], Any]:
-        return _encode_block(block, bound[block.tensor], tally is not None)
+        return _encode_block(block, bound[block.tensor].for_block(start + block.token_start, end), tally is not None)
 
     for block, (chunks, error) in map_bounded(encode, blocks, threads):
         if tally is not None:

@@ -41,6 +41,7 @@ registry: ComponentRegistry[Layout] = ComponentRegistry(
         "mant-round": "kvtool.layouts.mant_round:MantRound",
         "fp8": "kvtool.layouts.fp8:Fp8",
         "int": "kvtool.layouts.int_quant:IntQuant",
+        "pca": "kvtool.layouts.pca:Pca",
     },
 )
 

@@ -85,6 +85,16 @@ class Layout(Component, abc.ABC):
         """
         return self
 
+    def for_block(self, position: int, end: int) -> "Layout":
+        """This layout as it applies to a block whose first token is at ``position`` of its sequence, in a cache
+        that ends before position ``end``: what a writer asks before it transforms a block.
+
+        Most layouts treat every block alike and return themselves; a stage may keep some tokens
+        exact or turn keys back by their positions (``pca``). Decoding never needs it: a plane
+        that depends on where its block lies says so itself.
+        """
+        return self
+
     def batch_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
         """The native kernel that restores runs of blocks of this layout, alone in its recipe, straight into a
         destination's rows from its planes (decoded by codecs that ``plane_batch``), or None: most layouts have none."""

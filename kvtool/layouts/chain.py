@@ -39,6 +39,12 @@ class LayoutChain:
             chain = self._by_kind[kind, layer] = self if same else LayoutChain(bound)
         return chain
 
+    def for_block(self, position: int, end: int) -> "LayoutChain":
+        """The chain as it applies to a block at ``position`` of a cache ending before ``end``: itself unless a stage
+        tells blocks apart (``Layout.for_block``)."""
+        bound = [layout.for_block(position, end) for layout in self.layouts]
+        return self if all(b is layout for b, layout in zip(bound, self.layouts)) else LayoutChain(bound)
+
     def plan(self, inputs: list[PlaneSpec]) -> list[PlaneSpec]:
         return list(self._stage_specs(inputs)[-1])
 

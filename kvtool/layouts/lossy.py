@@ -230,18 +230,21 @@ class ErrorTally:
         ]
 
 
-def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: Iterable[np.ndarray], chain: "LayoutChain", chunk_tokens: int) -> str | None:
+def bound_violation(tensors: Iterable[tuple[int, str, np.ndarray]], restored: Iterable[np.ndarray], chain: "LayoutChain",
+                    chunk_tokens: int, token_start: int = 0) -> str | None:
     """Where a restored cache strays beyond the error bound of ``chain``'s lossy stage (``chain_error_bound``), or None.
 
     ``tensors`` and ``restored`` list the original and the decoded tensors in
-    the same order; the tensors were cut in blocks of ``chunk_tokens``.
+    the same order; the tensors were cut in blocks of ``chunk_tokens``, the first
+    token at sequence position ``token_start``.
     """
     for (layer, kind, array), approx in zip(tensors, restored):
         bound = chain.for_kind(kind, layer)
+        end = token_start + array.shape[1]
         for start in range(0, array.shape[1], chunk_tokens):
             block = array[:, start : start + chunk_tokens]
             error = np.abs(approx[:, start : start + chunk_tokens].astype(np.float64) - block.astype(np.float64))
-            if not (error <= chain_error_bound(bound, block)).all():
+            if not (error <= chain_error_bound(bound.for_block(token_start + start, end), block)).all():
                 return f"layer {layer} {kind}, tokens from {start}: error {float(error.max()):.4g} over the bound"
     return None
 

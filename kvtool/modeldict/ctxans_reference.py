@@ -19,7 +19,6 @@ earlier row instead.
 
 from __future__ import annotations
 
-import bisect
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtool.errors import DecodeError
+from kvtool.modeldict import rans
 from kvtool.modeldict.format import (
     LEVELS, LOW, MAX_CLASSES, MAX_CONTEXTS, PROB_BITS, REF_SYMBOLS, SYMBOLS, CoderTables,
 )
@@ -35,7 +35,7 @@ from kvtool.repeats import FLAG_REPEATS, read_repeats, repeat_section, repeated_
 VERSION = 1
 HEAD = struct.Struct("<BB4sHII")  # version, flags, dictionary tag, base reference, escapes, rANS bytes
 STATES = 16
-RANS_LOW = 1 << 16
+RANS_LOW = rans.LOW
 #: The most tokens a block may hold (the core's sums stay within 32 bits).
 MAX_TOKENS = 1 << 22
 
@@ -102,52 +102,6 @@ def _pack_bits(values: np.ndarray, width: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def _rans_encode(syms: list[int], models: list[int], t: CoderTables) -> bytes:
-    """The rANS stream of ``syms``, symbol ``i`` coded with model ``models[i]`` by state ``i % STATES``."""
-    freq, cum = t.freq.tolist(), t.cum.tolist()
-    states = [RANS_LOW] * STATES
-    words: list[int] = []
-    for i in range(len(syms) - 1, -1, -1):
-        s, m = syms[i], models[i]
-        f, c = freq[m][s], cum[m][s]
-        x = states[i % STATES]
-        if x >= f << (32 - PROB_BITS):
-            words.append(x & 0xFFFF)
-            x >>= 16
-        states[i % STATES] = (x // f << PROB_BITS) + x % f + c
-    words.reverse()
-    return struct.pack(f"<{STATES}I", *states) + np.array(words, "<u2").tobytes()
-
-
-class _RansDecoder:
-    def __init__(self, data: bytes, t: CoderTables):
-        if len(data) < 4 * STATES or len(data) % 2:
-            raise DecodeError("ctxans: truncated entropy-coded stream")
-        self.states = list(struct.unpack_from(f"<{STATES}I", data))
-        self.words = np.frombuffer(data, "<u2", offset=4 * STATES).tolist()
-        self.pos = 0
-        self.i = 0
-        self.freq, self.cum = t.freq.tolist(), t.cum.tolist()
-
-    def next(self, model: int) -> int:
-        j = self.i % STATES
-        self.i += 1
-        x = self.states[j]
-        slot = x & ((1 << PROB_BITS) - 1)
-        cum = self.cum[model]
-        s = bisect.bisect_right(cum, slot) - 1
-        x = self.freq[model][s] * (x >> PROB_BITS) + slot - cum[s]
-        if x < RANS_LOW:
-            if self.pos == len(self.words):
-                raise DecodeError("ctxans: the entropy-coded stream ends early")
-            x = x << 16 | self.words[self.pos]
-            self.pos += 1
-        self.states[j] = x
-        return s
-
-    def finish(self) -> None:
-        if self.pos != len(self.words) or any(x != RANS_LOW for x in self.states):
-            raise DecodeError("ctxans: the entropy-coded stream does not end where its symbols do")
 
 
 @dataclass(frozen=True)
@@ -284,7 +238,8 @@ def encode(block: np.ndarray, dtype_name: str, tables: CoderTables, tag: bytes) 
     models = classes[None, :] * tables.contexts + x.prev
     value_syms, value_models = x.sym[x.coded].tolist(), models[x.coded].tolist()
     escapes += x.level[x.coded][x.sym[x.coded] % LEVELS == 0].tolist()
-    stream = _rans_encode(side_syms + value_syms, side_models + value_models, tables)
+    stream = rans.encode(side_syms + value_syms, side_models + value_models, tables.freq.tolist(), tables.cum.tolist(),
+                         PROB_BITS, STATES)
     flags, repeats = repeat_section(x.back, x.coded_rows)
     return b"".join([
         HEAD.pack(VERSION, flags, tag, base, len(escapes), len(stream)),
@@ -315,8 +270,8 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
         return np.moveaxis(out, 0, 1)
     back, escape, section, stream = read_sections(data, flags, shape, family, n_escapes, stream_len, "ctxans", HEAD.size)
     raw = raw_values(section, coded_values(back, dim), family.raw_bits)
-    rans = _RansDecoder(stream, tables)
-    classes, refs = read_channels(rans.next, channels, base, family, tables, escape, "ctxans")
+    decoder = rans.Decoder(stream, tables.freq.tolist(), tables.cum.tolist(), PROB_BITS, STATES, "ctxans")
+    classes, refs = read_channels(decoder.next, channels, base, family, tables, escape, "ctxans")
     context_of = tables.context_of.tolist()
     prev = [tables.start_context] * channels
     sign_shift, raw_bits = 8 * family.width - 1, family.raw_bits
@@ -335,7 +290,7 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
                 continue
             for d in range(dim):
                 c = h * dim + d
-                s = rans.next(classes[c] * tables.contexts + prev[c])
+                s = decoder.next(classes[c] * tables.contexts + prev[c])
                 prev[c] = context_of[s]
                 q = s % LEVELS
                 level = escape() if q == 0 else refs[c] + LOW + q - 1
@@ -343,6 +298,6 @@ def decode(chunk: bytes | memoryview, dtype_name: str, shape: tuple[int, int, in
                     raise DecodeError("ctxans: a level is out of range")
                 row[d] = (s // LEVELS) << sign_shift | level << raw_bits | raw[raw_at]
                 raw_at += 1
-    rans.finish()
+    decoder.finish()
     escape.finish()
     return np.moveaxis(out, 0, 1)

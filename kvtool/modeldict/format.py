@@ -10,15 +10,7 @@ token of the channel left (``context_of`` its symbol). Classes are shapes, not
 channels: a channel drifts from text to text and from chunk to chunk, so the
 chunk says where each channel sits (its reference) and which shape fits it.
 
-File (little-endian)::
-
-    magic        8 bytes  b"\\x89KVD\\r\\n\\x1a\\n"
-    version      u32      1
-    payload len  u32      bytes of the payload, at most MAX_PAYLOAD
-    stored len   u32      bytes of the zlib stream that follows
-    zlib stream  the payload, deflated
-
-Payload::
+The file is a ``.kvd`` of version 1 (``kvtool.modeldict.filehead``); its payload::
 
     meta len     u32, then that many bytes of JSON (what it was trained on; informative)
     classes N    u8   1..64
@@ -37,23 +29,16 @@ the first 4 bytes of it. docs/FORMAT.md has the codec's side.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import struct
-import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from kvtool.errors import DecodeError
+from kvtool.modeldict.filehead import DictionaryError, KvdFile, meta_section, read_meta
 
-MAGIC = b"\x89KVD\r\n\x1a\n"
 VERSION = 1
-FILE_HEAD = struct.Struct("<8sIII")
-MAX_PAYLOAD = 1 << 22
-MAX_META = 1 << 16
 
 #: A value's symbol is ``sign * 32 + level index``; level index 0 is an escape.
 SYMBOLS = 64
@@ -70,14 +55,11 @@ MAX_CONTEXTS = 32
 COST_UNIT = 8
 
 
-class DictionaryError(DecodeError):
-    """Bytes that are not a valid .kvd dictionary."""
-
-
 @dataclass(frozen=True, eq=False)
-class Dictionary:
+class Dictionary(KvdFile):
     """A parsed, validated model dictionary (see the module docstring for the format)."""
 
+    version = VERSION
     freq: np.ndarray  # uint16 [N, X, 64]
     context_of: np.ndarray  # uint8 [64]
     start_context: int
@@ -100,9 +82,8 @@ class Dictionary:
 
     @cached_property
     def payload(self) -> bytes:
-        meta = json.dumps(self.meta, sort_keys=True, separators=(",", ":")).encode()
         return b"".join([
-            struct.pack("<I", len(meta)), meta,
+            meta_section(self.meta),
             struct.pack("<BBBB", self.classes, self.contexts, self.start_context, 0),
             self.context_of.astype(np.uint8).tobytes(),
             self.class_freq.astype("<u2").tobytes(),
@@ -110,48 +91,10 @@ class Dictionary:
             self.freq.astype("<u2").tobytes(),
         ])
 
-    @cached_property
-    def id(self) -> str:
-        return hashlib.sha256(self.payload).hexdigest()[:32]
-
-    @property
-    def tag(self) -> bytes:
-        """The 4 bytes of the id every chunk coded with this dictionary carries."""
-        return bytes.fromhex(self.id[:8])
-
-    def to_bytes(self) -> bytes:
-        stored = zlib.compress(self.payload, 9)
-        return FILE_HEAD.pack(MAGIC, VERSION, len(self.payload), len(stored)) + stored
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Dictionary":
-        data = bytes(data)
-        if len(data) < FILE_HEAD.size:
-            raise DictionaryError("not a .kvd dictionary (too short)")
-        magic, version, payload_len, stored_len = FILE_HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise DictionaryError("not a .kvd dictionary (bad magic)")
-        if version != VERSION:
-            raise DictionaryError(f".kvd version {version} is not supported (this kvtool reads version {VERSION})")
-        if payload_len > MAX_PAYLOAD or stored_len != len(data) - FILE_HEAD.size:
-            raise DictionaryError("a .kvd dictionary's lengths do not match its size")
-        inflater = zlib.decompressobj()
-        try:
-            payload = inflater.decompress(data[FILE_HEAD.size :], payload_len + 1)
-        except zlib.error as exc:
-            raise DictionaryError(f"a .kvd dictionary's payload does not inflate ({exc})") from None
-        if len(payload) != payload_len or not inflater.eof or inflater.unused_data:
-            raise DictionaryError("a .kvd dictionary's payload has the wrong length")
-        return cls.from_payload(payload)
-
     @classmethod
     def from_payload(cls, payload: bytes) -> "Dictionary":
+        meta, at = read_meta(payload)
         try:
-            (meta_len,) = struct.unpack_from("<I", payload)
-            if meta_len > MAX_META:
-                raise DictionaryError("a .kvd dictionary's metadata is too long")
-            meta = json.loads(payload[4 : 4 + meta_len])
-            at = 4 + meta_len
             n, x, start, reserved = struct.unpack_from("<BBBB", payload, at)
             at += 4
             if not (1 <= n <= MAX_CLASSES and 1 <= x <= MAX_CONTEXTS) or reserved:
@@ -166,10 +109,8 @@ class Dictionary:
             ref_freq = np.frombuffer(payload, "<u2", REF_SYMBOLS, at)
             at += sizes[2]
             freq = np.frombuffer(payload, "<u2", n * x * SYMBOLS, at).reshape(n, x, SYMBOLS)
-        except (struct.error, ValueError) as exc:  # json errors are ValueErrors
+        except (struct.error, ValueError) as exc:
             raise DictionaryError(f"malformed .kvd dictionary ({exc})") from None
-        if not isinstance(meta, dict):
-            raise DictionaryError("a .kvd dictionary's metadata must be a JSON object")
         dictionary = cls(freq.astype(np.uint16), context_of.copy(), start, class_freq.astype(np.uint16),
                          ref_freq.astype(np.uint16), meta)
         if dictionary.payload != payload:

@@ -16,23 +16,27 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
 
 from kvtool.errors import UnavailableError, UsageError
+from kvtool.modeldict import filehead
+from kvtool.modeldict.basis import BasisDictionary
 from kvtool.modeldict.format import Dictionary, DictionaryError
 
 PATH_VARIABLE = "KVTOOL_DICT_PATH"
 BUILTIN_DIR = Path(__file__).parent
 #: The dictionary ``ctxans`` uses when a recipe names none: learnt from the committed samples.
 DEFAULT_FILE = BUILTIN_DIR / "default.kvd"
-MAX_FILE = 1 << 22
+MAX_FILE = filehead.MAX_FILE
 ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 PREFIX_PATTERN = re.compile(r"^[0-9a-f]{8,32}$")
 
 Source = Callable[[str], "bytes | None"]
+#: Either kind of model dictionary: context models (version 1) or transform bases (version 2).
+AnyDictionary = Union[Dictionary, BasisDictionary]
 
 _lock = threading.Lock()
-_known: dict[str, Dictionary] = {}
+_known: dict[str, AnyDictionary] = {}
 _files: dict[Path, tuple[tuple[int, int], str | None]] = {}  # path -> ((mtime_ns, size), id or None when unreadable)
 _sources: list[Source] = []
 
@@ -41,25 +45,30 @@ class MissingDictionaryError(UnavailableError):
     """A recipe or a file names a dictionary that is not known here."""
 
 
-def register(dictionary: Dictionary) -> str:
+def parse(data: bytes | bytearray | memoryview) -> AnyDictionary:
+    """A ``.kvd`` file's dictionary, of the kind its version says (``DictionaryError`` if it is not one)."""
+    return (BasisDictionary if filehead.version_of(data) == 2 else Dictionary).from_bytes(data)
+
+
+def register(dictionary: AnyDictionary) -> str:
     """Make ``dictionary`` known to this process; returns its id."""
     with _lock:
         _known.setdefault(dictionary.id, dictionary)
     return dictionary.id
 
 
-def read_file(path: str | os.PathLike[str]) -> Dictionary:
+def read_file(path: str | os.PathLike[str]) -> AnyDictionary:
     """Read and validate a ``.kvd`` file (``DictionaryError`` if it is not one)."""
     path = Path(path)
     if path.stat().st_size > MAX_FILE:
         raise DictionaryError(f"{path}: larger than any dictionary ({MAX_FILE} bytes)")
     try:
-        return Dictionary.from_bytes(path.read_bytes())
+        return parse(path.read_bytes())
     except DictionaryError as exc:
         raise DictionaryError(f"{path}: {exc}") from None
 
 
-def load(path: str | os.PathLike[str]) -> Dictionary:
+def load(path: str | os.PathLike[str]) -> AnyDictionary:
     """Read a ``.kvd`` file and register it."""
     dictionary = read_file(path)
     register(dictionary)
@@ -79,11 +88,19 @@ def detach(source: Source) -> None:
             _sources.remove(source)
 
 
+def context_models(id_: str) -> Dictionary:
+    """The dictionary with id ``id_``, which must hold context models (what ``ctxans`` and ``ctxtans`` code with)."""
+    found = lookup(id_)
+    if not isinstance(found, Dictionary):
+        raise UsageError(f"dictionary {id_} holds transform bases (the pca stage's), not the context models ctxans needs")
+    return found
+
+
 def default_id() -> str:
     return load(DEFAULT_FILE).id
 
 
-def lookup(id_: str) -> Dictionary:
+def lookup(id_: str) -> AnyDictionary:
     """The dictionary with id ``id_``; ``MissingDictionaryError`` if none is found."""
     if not ID_PATTERN.match(id_):
         raise UsageError(f"a dictionary id is 32 lowercase hex digits, not {id_!r}")
@@ -102,7 +119,7 @@ def lookup(id_: str) -> Dictionary:
         if data is None:
             continue
         try:
-            dictionary = Dictionary.from_bytes(data)
+            dictionary = parse(data)
         except DictionaryError:
             continue  # a damaged copy is as good as none
         if dictionary.id == id_:
@@ -110,8 +127,8 @@ def lookup(id_: str) -> Dictionary:
             return dictionary
     raise MissingDictionaryError(
         f"dictionary {id_} is not known here: put its .kvd file on {PATH_VARIABLE} (or, for kvtool's "
-        "commands, beside the file or named with --dict FILE.kvd), name it in the recipe (ctxans:FILE.kvd), "
-        "or open the store that holds it"
+        "commands, beside the file or named with --dict FILE.kvd), name it in the recipe (ctxans:FILE.kvd, "
+        "pca:FILE.kvd), or open the store that holds it"
     )
 
 
@@ -124,7 +141,7 @@ def resolve(arg: str) -> str:
         return load(path).id
     arg = arg.lower()
     if not PREFIX_PATTERN.match(arg):
-        raise UsageError(f"ctxans takes a .kvd file or a dictionary id (8 to 32 hex digits), not {arg!r}")
+        raise UsageError(f"a dictionary is named by its .kvd file or its id (8 to 32 hex digits), not {arg!r}")
     if ID_PATTERN.match(arg):
         return arg
     _scan_path()
@@ -137,7 +154,7 @@ def resolve(arg: str) -> str:
     return matches[0]
 
 
-def known() -> list[Dictionary]:
+def known() -> list[AnyDictionary]:
     """Every dictionary registered or on the dictionary path."""
     _scan_path()
     with _lock:

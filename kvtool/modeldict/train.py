@@ -63,12 +63,12 @@ def block_samples(block: np.ndarray, dtype_name: str, context_of: np.ndarray, st
     return counts.astype(np.float32), refs - refs.min()
 
 
-def quantize(weights: np.ndarray, floor: int = 1) -> np.ndarray:
-    """Integer frequencies summing to PROB_SCALE, each >= ``floor`` where its weight is > 0
+def quantize(weights: np.ndarray, floor: int = 1, total: int = PROB_SCALE) -> np.ndarray:
+    """Integer frequencies summing to ``total``, each >= ``floor`` where its weight is > 0
     (or everywhere when ``floor`` is 1), nearest to ``weights`` by largest remainders."""
     weights = np.asarray(weights, np.float64)
     keep = np.ones(weights.shape, bool) if floor else weights > 0
-    spare = PROB_SCALE - int(keep.sum())
+    spare = total - int(keep.sum())
     share = np.where(keep, weights, 0) / weights[keep].sum() * spare
     freq = np.floor(share).astype(np.int64)
     short = spare - int(freq.sum())

@@ -6,7 +6,8 @@ Each file holds layers 0 and 29, tokens 0-11, of samples/code.safetensors: in 4-
 chunks, one file per codec (byteplane layout) and one per layout chain; in one 12-token
 chunk per tensor, one file per array codec (a chunk that small would be stored raw) and one
 for ``int``'s ``codes=ctx`` (whose codes are coded at that size, not packed); in 4-token
-chunks, one file per other lossy first stage (and one with the outliers side channel before it).
+chunks, one file per other lossy first stage (and one with the outliers side channel before it); the pca
+file's transform dictionary is ``pca-basis.kvd``, learnt once and kept beside it.
 ``lossy-v1.json`` keeps the decoded tensors' xxh3-64 digests of every lossy file (their bits are an
 approximation, so nothing else pins them).
 ``store-v1.json`` holds store entry records (version 1) and prefix keys
@@ -20,6 +21,7 @@ import xxhash
 
 from kvtool import kvz
 from kvtool.cache import KVCache
+from kvtool.modeldict import registry
 from kvtool.store.entry import wrap
 from kvtool.store.keys import prefix_keys
 
@@ -41,6 +43,20 @@ ARRAY_RECIPES = {"array-exphuff": "exphuff", "array-exphuff-lanes": "exphuff-lan
                  "array-ctxtans-2": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0",
                  # chunk version 3 (a state per channel of a head's groups of 64, the states holding raw bits)
                  "array-ctxtans-3": "ctxtans:4c3e1df0f0bace21e0ea8cae679961b0"}
+PCA_BASIS = HERE / "pca-basis.kvd"
+
+
+def pca_basis():
+    """The transform dictionary of the pca golden file: learnt once from layers 0 and 29 of the prose sample (keys
+    de-rotated, 16 components a tensor, a few KB), then kept like the golden files."""
+    if not PCA_BASIS.exists():
+        from kvtool.modeldict.basis_train import train_basis
+
+        cache = KVCache.load(SAMPLE.parent / "prose.safetensors", layers=[0, 29])
+        PCA_BASIS.write_bytes(train_basis([cache], rope_theta=1e5, components=16).to_bytes())
+    return registry.load(PCA_BASIS)
+
+
 LOSSY_RECIPES = {
     "lossy-int4-kivi": "int:4,group=4|zstd:1",
     "lossy-int6-token": "int:6,k=token,v=token,group=48|zstd:1",
@@ -51,6 +67,8 @@ LOSSY_RECIPES = {
     "lossy-outliers-int3": "outliers:0.05|int:3,group=4|zstd:1",
     # in 12-token chunks, where every codes plane is coded (mode 1; 4-token ones fall back to the packed codes)
     "lossy-int3-ctx": "int:3,group=4,codes=ctx|zstd:1",
+    # two sink tokens exact; the keys turned back by their positions, in 4-token chunks
+    "lossy-pca": f"pca:{pca_basis().id},step=0.25,sink=2|zstd:1",
 }
 WHOLE_CHUNKS = {*ARRAY_RECIPES, "lossy-int3-ctx"}
 GOLDEN = {**CODEC_RECIPES, **LAYOUT_RECIPES, **ARRAY_RECIPES, **LOSSY_RECIPES}
