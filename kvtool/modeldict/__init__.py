@@ -5,6 +5,7 @@ format; ``lookup`` finds one by its id (registered in this process, on the
 dictionary path, or in an attached store).
 """
 
-from kvtool.modeldict.format import Dictionary, DictionaryError
+from kvtool.modeldict.filehead import DictionaryError
+from kvtool.modeldict.format import Dictionary
 
 __all__ = ["Dictionary", "DictionaryError"]

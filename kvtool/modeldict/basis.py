@@ -83,7 +83,7 @@ class TensorBasis:
 
     @property
     def components(self) -> int:
-        return self.basis.shape[0]
+        return int(self.basis.shape[0])
 
     def section(self) -> bytes:
         return b"".join([
@@ -121,7 +121,7 @@ class BasisDictionary(KvdFile):
 
     @property
     def classes(self) -> int:
-        return self.class_tables.shape[0]
+        return int(self.class_tables.shape[0])
 
     @cached_property
     def _by_tensor(self) -> dict[tuple[int, str], TensorBasis]:
@@ -196,7 +196,7 @@ class _Reader:
     def __init__(self, payload: bytes, at: int):
         self.payload, self.at = payload, at
 
-    def unpack(self, layout: struct.Struct) -> tuple:
+    def unpack(self, layout: struct.Struct) -> tuple[Any, ...]:
         values = layout.unpack_from(self.payload, self.at)
         self.at += layout.size
         return values

@@ -89,6 +89,7 @@ def version_of(data: bytes | bytearray | memoryview) -> int:
     if len(data) < FILE_HEAD.size:
         raise DictionaryError("not a .kvd dictionary (too short)")
     magic, version, _, _ = FILE_HEAD.unpack_from(data)
+    version = int(version)
     if magic != MAGIC:
         raise DictionaryError("not a .kvd dictionary (bad magic)")
     if version not in MAX_PAYLOAD:
@@ -113,7 +114,7 @@ def unpack(data: bytes | bytearray | memoryview, version: int) -> bytes:
     return payload
 
 
-def meta_section(meta: dict) -> bytes:
+def meta_section(meta: dict[str, Any]) -> bytes:
     """A payload's first section: the metadata as canonical JSON (keys sorted, no spaces), after its u32 length."""
     data = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     return struct.pack("<I", len(data)) + data

@@ -21,7 +21,8 @@ from typing import Callable, Union
 from kvtool.errors import UnavailableError, UsageError
 from kvtool.modeldict import filehead
 from kvtool.modeldict.basis import BasisDictionary
-from kvtool.modeldict.format import Dictionary, DictionaryError
+from kvtool.modeldict.filehead import DictionaryError
+from kvtool.modeldict.format import Dictionary
 
 PATH_VARIABLE = "KVTOOL_DICT_PATH"
 BUILTIN_DIR = Path(__file__).parent
