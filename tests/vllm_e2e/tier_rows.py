@@ -59,8 +59,9 @@ def tier_row(llm: Any, store: str) -> dict:
     try:
         tier_engine.store(keys[:CHUNKS], chunks[:CHUNKS])
         tier_engine.store(keys[CHUNKS:], chunks[CHUNKS:])  # evicts the first ones from vLLM's CPU tier
-        same = [tier_engine.lookup(k).name == "HIT" and np.array_equal(tier_engine.read(k, c.size), c)
-                for k, c in zip(keys[:CHUNKS], chunks)]
+        fetched = [tier_engine.fetch(k, c.size) for k, c in zip(keys[:CHUNKS], chunks)]
+        same = [found.name == "HIT" and data is not None and np.array_equal(data, c)
+                for (found, data), c in zip(fetched, chunks)]
     finally:
         tier_engine.close()
     if not all(same):
