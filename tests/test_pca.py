@@ -11,6 +11,7 @@ import pytest
 from kvtool import _native
 from kvtool.cache import DTYPES, KVCache
 from kvtool.codecs import get_codec
+from kvtool.entries import recipe_problem
 from kvtool.errors import DecodeError, UsageError
 from kvtool.kvz import KvzReader, encode_cache
 from kvtool.layouts import get_layout
@@ -218,3 +219,10 @@ def test_the_golden_file_holds_coded_planes():
     assert all(plane[0] == ref.MODE_CODED for plane in planes)
     exact = [int.from_bytes(plane[24:28], "little") for plane in planes]
     assert exact == [2 if entry["token_start"] == 0 else 0 for entry in reader.index]
+
+
+def test_the_connectors_probe_codes_blocks_of_the_models_shape(basis):
+    """vLLM's connector probes its recipe before the first prompt: a pca recipe keeps the model it was learnt for."""
+    recipe = f"pca:{basis.id},step=0.32|zstd:1"
+    assert recipe_problem(recipe, "bf16", heads=3, dim=64) is None
+    assert "a dictionary of another model" in recipe_problem(recipe, "bf16")

@@ -48,7 +48,7 @@ def instance_a_computes_and_saves(store, tensors, block_ids) -> int:
     for index in range(NUM_LAYERS):  # save_kv_layer, once per layer in the forward pass
         capture.take_layer(index, layers)
     entries = capture.complete_entries(set())  # wait_for_save
-    for entry_id, keys, values in entries:
+    for entry_id, _, keys, values in entries:
         assert encode_and_store(store, names.key(entry_id, 0), keys, values, RECIPE, ModelFacts("smollm2"))
     return len(entries)
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvtool.cache import ModelFacts
 from kvtool.errors import UsageError
+from kvtool.kvz import KvzReader
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob, entries_to_save, load_jobs
 from kvtool.integrations.vllm.settings import ConnectorSettings
 from kvtool.integrations.vllm.stats import StatsCollector, merge, summary
@@ -150,12 +151,29 @@ def layers_of(tensors):
     return PagedLayers([f"layer.{i}" for i in range(len(tensors))], [k for k, _ in views], [v for _, v in views], 4, torch.bfloat16)
 
 
-def save_entry(store, source, block_ids, entry_id="e1", recipe="byteplane|zstd:1"):
-    capture = Capture({"req": [SaveJob(entry_id, block_ids)]}, num_layers=len(source.names))
+def save_entry(store, source, block_ids, entry_id="e1", recipe="byteplane|zstd:1", first_token=0):
+    capture = Capture({"req": [SaveJob(entry_id, block_ids, first_token)]}, num_layers=len(source.names))
     for i in range(len(source.names)):
         capture.take_layer(i, source)
-    (entry, keys, values), = capture.complete_entries(set())
-    assert encode_and_store(store, f"key/{entry}", keys, values, recipe, ModelFacts("m"))
+    (entry, first, keys, values), = capture.complete_entries(set())
+    assert encode_and_store(store, f"key/{entry}", keys, values, recipe, ModelFacts("m"), first)
+
+
+def test_an_entry_past_the_prompts_start_records_its_position_and_restores():
+    """A stage that codes by position (pca de-rotates keys) needs the entry's place in the prompt."""
+    source = layers_of([cpu_paged() + i for i in range(3)])
+    target_tensors = [torch.zeros(6, 3, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+    with open_store("memory://") as store:
+        save_entry(store, source, [2, 3], first_token=8)
+        with KvzReader.from_bytes(store.get("key/e1")) as reader:
+            assert reader.token_start == 8
+        restore = Restore(store, lambda e: f"key/{e}", layers_of(target_tensors), {"req": [LoadJob("e1", 2, 0, [4, 0])]})
+        restore.start(False)
+        for i in range(3):
+            restore.copy_layer(i)
+        assert restore.finish() == set()
+    for i in range(3):
+        assert torch.equal(target_tensors[i][4], (cpu_paged() + i)[2]) and torch.equal(target_tensors[i][0], (cpu_paged() + i)[3])
 
 
 @pytest.mark.parametrize("background", [True, False])

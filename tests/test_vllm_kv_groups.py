@@ -118,8 +118,8 @@ def test_sliding_window_groups_restore_only_kept_blocks_save_none_they_lost_and_
     try:
         assert half.get_num_new_matched_tokens(request("a"), 0) == (0, False)  # an empty store
         plan = half.build_step_plan(step("a", ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]), 0, 22))
-        assert plan.saves["a"] == [SaveJob(first, ([1, 2], [7, 8])), SaveJob(second, ([3, 4], [9, 10])),
-                                   SaveJob(last, ([5], [11]))]
+        assert plan.saves["a"] == [SaveJob(first, ([1, 2], [7, 8]), 0), SaveJob(second, ([3, 4], [9, 10]), 8),
+                                   SaveJob(last, ([5], [11]), 16)]
         for entry_id, tokens in ((first, 8), (second, 8), (last, 4)):
             half.store.put(namer.key(entry_id, 0), b"kv", {"tokens": tokens})
         assert half.get_num_new_matched_tokens(request("b"), 0) == (20, True)  # asynchronous: failures per request
@@ -134,7 +134,7 @@ def test_sliding_window_groups_restore_only_kept_blocks_save_none_they_lost_and_
         other = [bytes([100 + i]) * 32 for i in range(5)]
         assert half.get_num_new_matched_tokens(request("c", other), 16) == (0, False)
         saves = half.build_step_plan(step("c", ([0, 0, 0, 40, 41, 42], [50, 51, 52, 53, 54, 55]), 16, 6)).saves
-        assert saves == {"c": [SaveJob(namer.entry_id(other[4], 1), ([41], [54]))]}  # the two with a lost block: not saved
+        assert saves == {"c": [SaveJob(namer.entry_id(other[4], 1), ([41], [54]), 16)]}  # the two with a lost block: not saved
     finally:
         half.shutdown()
 
@@ -196,7 +196,7 @@ def test_each_layer_restores_into_its_own_groups_blocks_and_skips_what_vllm_drop
     capture = Capture({"r": [SaveJob("e", ([1, 2], [4, 5]))]}, num_layers=3)
     for i in range(3):
         capture.take_layer(i, source)
-    (_, keys, values), = capture.complete_entries(set())
+    (_, _, keys, values), = capture.complete_entries(set())
     target_tensors = [torch.zeros(8, 2, BLOCK, 16, dtype=torch.bfloat16) for _ in range(3)]
     with open_store("memory://") as store:
         assert encode_and_store(store, "key/e", keys, values, "zstd:1", ModelFacts("m"))

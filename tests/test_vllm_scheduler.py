@@ -83,7 +83,7 @@ def test_a_prompt_is_saved_then_found_and_planned_for_restore(scheduler, caplog)
     plan = scheduler.build_step_plan(step([NS(req_id="a", block_ids=([10, 11, 12, 13, 14, 15],), num_computed_tokens=0)],
                                           {"a": PROMPT_TOKENS}))
     assert plan.loads == {}
-    assert plan.saves == {"a": [SaveJob(first, [10, 11]), SaveJob(second, [12, 13]), SaveJob(last, [14])]}
+    assert plan.saves == {"a": [SaveJob(first, [10, 11], 0), SaveJob(second, [12, 13], 8), SaveJob(last, [14], 16)]}
     for entry_id, tokens in ((first, 8), (second, 8), (last, 4)):  # what the worker stores for those jobs
         assert scheduler.store.put(namer.key(entry_id, 0), b"kv", {"tokens": tokens})
 
@@ -117,7 +117,7 @@ def test_blocks_that_failed_to_restore_are_saved_again(scheduler):
     scheduler.blocks_failed({42})  # the second entry could not be restored: vLLM recomputes from block 2
     cached = NS(req_ids=["a"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[PROMPT_TOKENS])
     plan = scheduler.build_step_plan(step(scheduled={"a": 1}, cached=cached))
-    assert plan.saves == {"a": [SaveJob(second, [42, 43]), SaveJob(last, [44])]}
+    assert plan.saves == {"a": [SaveJob(second, [42, 43], 8), SaveJob(last, [44], 16)]}
     scheduler.request_finished("a")
     assert not scheduler.build_step_plan(step(scheduled={"a": 1}, cached=cached))  # a finished request plans nothing
 

@@ -6,20 +6,28 @@ prefix cache. With the kvtool connector set to a lossy recipe, one process
 saves the prompt's KV and a fresh one restores it for the prompt with the
 suffix. A lossy restore need not give the same tokens, so the test asserts
 that the prefix was restored from lossy entries, and measures and prints how
-far the greedy output agrees (run pytest with ``-s`` to see the line)::
+far the greedy output agrees (run pytest with ``-s`` to see the line). The
+``pca`` stage codes with a transform dictionary learnt here from the committed
+samples and named by its file in the recipe, so each process finds it::
 
     .venv-vllm/bin/python -m pytest -s tests/vllm_e2e/test_vllm_lossy.py
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: create its environment with scripts/vllm-env.sh")
 
-from test_vllm_e2e import PROMPT, SUFFIX, model, restored_tokens, run_vllm  # noqa: E402,F401 (model: a fixture)
+from test_vllm_e2e import PROMPT, ROOT, SUFFIX, model, restored_tokens, run_vllm  # noqa: E402,F401 (model: a fixture)
 
+from kvtool.cache import KVCache  # noqa: E402
 from kvtool.kvz import KvzReader  # noqa: E402
+from kvtool.modeldict.basis_train import train_basis  # noqa: E402
+from kvtool.recipe import Recipe  # noqa: E402
 from kvtool.store import open_store  # noqa: E402
 
 #: The key layers the per-layer sensitivity run found most sensitive, at 8 bits (BENCHMARKS.md,
@@ -48,8 +56,33 @@ def reference(model, tmp_path_factory) -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def basis_file(model, tmp_path_factory) -> Path:
+    """A transform dictionary for SmolLM2 learnt from the committed samples (keys de-rotated with the model's
+    rope_theta): 512 tokens, seconds of CPU; a deployment learns one from far more."""
+    config = json.loads((model / "config.json").read_text())
+    theta = config.get("rope_parameters", config)["rope_theta"]  # where transformers 5 writes it, or 4
+    caches = [KVCache.load(path) for path in sorted((ROOT / "samples").glob("*.safetensors"))]
+    path = tmp_path_factory.mktemp("basis") / "smollm2.kvd"
+    path.write_bytes(train_basis(caches, rope_theta=theta).to_bytes())
+    return path
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_lossy_restore_against_vllm_prefix_cache(model, tmp_path, reference, recipe) -> None:
+    restore_and_compare(model, tmp_path, reference, recipe)
+
+
+def test_pca_restore_against_vllm_prefix_cache(model, tmp_path, reference, basis_file) -> None:
+    """The pca stage, its dictionary named by file in the recipe (step=0.32: about 6x with the dictionaries of
+    BENCHMARKS.md; this one, from 512 tokens, approximates far more coarsely at the same step)."""
+    spec = restore_and_compare(model, tmp_path, reference, f"pca:{basis_file},step=0.32|zstd:1")
+    assert spec.startswith("pca:") and str(basis_file) not in spec  # entries name the dictionary by its id
+
+
+def restore_and_compare(model: Path, tmp_path: Path, reference: dict, recipe: str) -> str:
+    """Save the prompt's KV with ``recipe``, restore it in a fresh process, print the agreement; the entries' recipe."""
+    spec = Recipe.parse(recipe).spec()
     store_url = f"file://{tmp_path / 'store'}"
     connector = {"model": str(model), "store": store_url, "recipe": recipe, "max_tokens": MAX_TOKENS}
     _, log = run_vllm(tmp_path, {**connector, "steps": [WARM]})
@@ -59,7 +92,7 @@ def test_lossy_restore_against_vllm_prefix_cache(model, tmp_path, reference, rec
     assert len(entries) >= 4
     for blob in entries:
         with KvzReader.from_bytes(blob) as reader:
-            assert reader.recipe.spec() == recipe and reader.lossy is not None
+            assert reader.recipe.spec() == spec and reader.lossy is not None
     store.close()
 
     (restored_run,), log = run_vllm(tmp_path, {**connector, "steps": [STEP]})
@@ -74,3 +107,4 @@ def test_lossy_restore_against_vllm_prefix_cache(model, tmp_path, reference, rec
         f"\nlossy restore with {recipe}: {restored[0]} prompt tokens restored; greedy output identical to vLLM's "
         f"prefix cache for {identical} of {MAX_TOKENS} tokens, {same} of {MAX_TOKENS} positions equal"
     )
+    return spec

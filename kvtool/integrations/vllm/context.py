@@ -80,7 +80,7 @@ class ConnectorContext:
         kv = ModelKV.from_vllm(vllm_config, kv_cache_config)
         refusal = kv.refusal
         if refusal is None and kv.dtype is not None:
-            problem = recipe_problem(namer.recipe, kv.dtype)
+            problem = recipe_problem(namer.recipe, kv.dtype, facts.num_kv_heads, facts.head_dim)
             if problem is not None:
                 raise UsageError(f"{problem}; choose another recipe for this KV cache")
         return cls(settings, cache.block_size, settings.blocks_per_entry(cache.block_size), namer, facts,

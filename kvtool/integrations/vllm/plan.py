@@ -57,10 +57,12 @@ class LoadJob:
 
 @dataclass
 class SaveJob:
-    """Store the paged blocks ``block_ids`` (per group, all of one entry) as ``entry_id``."""
+    """Store the paged blocks ``block_ids`` (per group, all of one entry) as ``entry_id``; ``first_token``: the
+    prompt position of its first token, which a stage that codes by position (``pca`` de-rotates keys) needs."""
 
     entry_id: str
     block_ids: BlockTable
+    first_token: int = 0
 
     def __post_init__(self) -> None:
         self.block_ids = block_table(self.block_ids)

@@ -131,7 +131,7 @@ class KvtoolScheduler(ConnectorSide):
                 break
             blocks = tuple(ids[span.start:span.end] for ids in state.block_ids)
             if not any(SKIPPED in ids for ids in blocks):
-                plan.saves.setdefault(req_id, []).append(SaveJob(span.entry_id, blocks))
+                plan.saves.setdefault(req_id, []).append(SaveJob(span.entry_id, blocks, span.start * bs))
             state.saved_blocks = span.end
 
     def blocks_failed(self, invalid_block_ids: set[int]) -> None:

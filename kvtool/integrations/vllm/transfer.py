@@ -393,24 +393,28 @@ class Capture:
                 k[index] = gather_blocks(key_view, block_ids)
                 v[index] = gather_blocks(value_view, block_ids)
 
-    def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, list[np.ndarray], list[np.ndarray]]]:
-        """Entries with every layer captured, except those of ``skip_requests`` (waits for copies in flight)."""
+    def complete_entries(self, skip_requests: set[str]) -> list[tuple[str, int, list[np.ndarray], list[np.ndarray]]]:
+        """Entries with every layer captured, except those of ``skip_requests`` (waits for copies in flight): id,
+        first token, keys, values."""
         if self.device is not None:
             self.device.finish()
-        done: list[tuple[str, list[np.ndarray], list[np.ndarray]]] = []
+        done: list[tuple[str, int, list[np.ndarray], list[np.ndarray]]] = []
         for rid, jobs in self.jobs.items():
             if rid in skip_requests:
                 continue
             for job in jobs:
                 k, v = self.arrays.get(job.entry_id, [[None], [None]])
                 if all(a is not None for a in k + v):
-                    done.append((job.entry_id, cast("list[np.ndarray]", k), cast("list[np.ndarray]", v)))
+                    done.append((job.entry_id, job.first_token, cast("list[np.ndarray]", k), cast("list[np.ndarray]", v)))
         return done
 
 
 def encode_and_store(
-    store: Store, key: str, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], recipe: str, facts: ModelFacts
+    store: Store, key: str, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], recipe: str, facts: ModelFacts,
+    first_token: int = 0,
 ) -> int:
-    """Code one entry (all layers) with ``recipe`` and store it; its size, 0 if it was not stored."""
-    put = put_cache(store, key, KVCache(list(keys), list(values), facts, {"source": "vllm"}), recipe)
+    """Code one entry (all layers, from prompt position ``first_token``) with ``recipe`` and store it; its size, 0 if
+    it was not stored."""
+    cache = KVCache(list(keys), list(values), facts, {"source": "vllm"}, token_start=first_token)
+    put = put_cache(store, key, cache, recipe)
     return put.stored_bytes

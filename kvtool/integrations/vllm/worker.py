@@ -106,16 +106,16 @@ class KvtoolWorker(ConnectorSide):
                 self._load_errors |= failed_blocks
             self._restore = None
         if self._capture is not None:
-            for entry_id, keys, values in self._capture.complete_entries(failed_requests):
-                self._saver.submit(self._save_entry, entry_id, keys, values)
+            for entry_id, first_token, keys, values in self._capture.complete_entries(failed_requests):
+                self._saver.submit(self._save_entry, entry_id, first_token, keys, values)
             self._capture = None
 
-    def _save_entry(self, entry_id: str, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+    def _save_entry(self, entry_id: str, first_token: int, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
         key = self.context.namer.key(entry_id, self.rank)
         start = time.perf_counter()
         try:
             recipe = self._dicts.recipe_for(keys, values)
-            stored = encode_and_store(self.store, key, keys, values, recipe, self.context.facts)
+            stored = encode_and_store(self.store, key, keys, values, recipe, self.context.facts, first_token)
         except Exception:
             log.exception("kvtool: saving entry %s failed", entry_id[:16])
             stored = 0
