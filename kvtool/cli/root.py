@@ -38,7 +38,7 @@ COMMANDS = {
                        "or of a running API server's store with --api.")),
     "serve": ("serve", ("Serve the hot/cold scheduling API (pin, prefetch, offload, evict, hint, lookup, events, "
                        "metrics) over a store.")),
-    "train": ("train", "Learn a model dictionary from caches of a model; use it as the recipe `ctxans:NAME.kvd`."),
+    "train": ("train", "Learn a model dictionary from caches of a model; use it as the recipe `ctxans:NAME.kvd` (or, with --basis, `pca:NAME.kvd,step=0.3|zstd:1`)."),
     "dump": ("dump", "Run a model over a text and save its KV cache."),
     "import": ("dump", "Convert another tool's safetensors KV dump into kvtool's own."),
     "convert-model": ("dump", "Save the model (default: the dequantised SmolLM2 GGUF) as a plain Hugging Face folder."),
