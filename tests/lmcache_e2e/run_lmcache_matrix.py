@@ -131,11 +131,20 @@ def root_cause(log: Path, error: str) -> str:
 
 
 def run_family(family, spec: dict, server: Server) -> dict:
-    log = Path(spec["models"]) / f"{family.name}.engine.log"
-    with engine_processes(log, server.proc.pid):
-        row = run_engine(family, spec, server)
-    if "error" in row:
+    """One family's row. An engine that fails to start without saying why (seen once on a loaded machine, the
+    next start of the same family fine) is started once more, and says so; a failure with a reason is the row."""
+    for attempt in (1, 2):
+        log = Path(spec["models"]) / f"{family.name}.engine.{attempt}.log"
+        with engine_processes(log, server.proc.pid):
+            row = run_engine(family, spec, server)
+        if "error" not in row:
+            return row
         row["error"] = root_cause(log, row["error"])
+        if attempt == 1 and "Engine core initialization failed" in row["error"]:
+            print(f"{family.name}: vLLM's engine did not start and gave no reason (log {log}); starting it once more",
+                  file=sys.stderr, flush=True)
+            continue
+        return row
     return row
 
 
