@@ -13,7 +13,8 @@ restored each of these ways, rounds alternated so that the machine's load falls 
 - ``read``: the container from the entry's bytes into one array (``KvzReader.read``);
 - ``lmcache``: the L2 adapter's load of one object (``entries.restore_into`` into the object's rows);
 - ``connector``: the vLLM connector's restore of one entry into CPU paged tensors (``transfer.Restore``,
-  before the forward pass), from the store;
+  before the forward pass), from the store; ``connector-vec`` the same into pages whose keys are
+  column-major, as vLLM's CPU ``vec`` kernels keep them (decoded into staging, then reordered into the pages);
 - ``tier``: the vLLM offload tier's load of one row (``load_row``).
 
 Each reports CPU ms per entry (the median of the rounds, one thread) and its ratio to ``codec``. With
@@ -47,6 +48,8 @@ from kvtool.destinations import PagedBlocks  # noqa: E402
 from kvtool.entries import put_cache, restore_into  # noqa: E402
 from kvtool.integrations.lmcache.chunks import ChunkLayout  # noqa: E402
 from kvtool.integrations.vllm.plan import LoadJob  # noqa: E402
+from kvtool.integrations.vllm.cpu_tiles import TiledBlocks, column_major  # noqa: E402
+from kvtool.integrations.vllm.paged import gather_blocks  # noqa: E402
 from kvtool.integrations.vllm.transfer import PagedLayers, Restore  # noqa: E402
 from kvtool.integrations.vllm_offload.chunks import load_row  # noqa: E402
 from kvtool.integrations.vllm_offload.rows import RowLayout  # noqa: E402
@@ -100,6 +103,10 @@ def main() -> int:
     pages = [torch.zeros(blocks + 4, heads, 2 * BLOCK, dim, dtype=torch.bfloat16) for _ in range(layers)]
     paged = PagedLayers([f"l{i}" for i in range(layers)], [p[:, :, :BLOCK] for p in pages],
                         [p[:, :, BLOCK:] for p in pages], BLOCK, torch.bfloat16)
+    vec_pages = [torch.zeros_like(p) for p in pages]
+    vec_paged = PagedLayers([f"l{i}" for i in range(layers)],
+                            [TiledBlocks(p[:, :, :BLOCK], column_major(BLOCK, dim)) for p in vec_pages],
+                            [p[:, :, BLOCK:] for p in vec_pages], BLOCK, torch.bfloat16)
     ids = [int(i) for i in np.random.default_rng(0).permutation(blocks + 4)[:blocks]]
     jobs = {"r": [LoadJob("connector", blocks, 0, ids)]}
 
@@ -164,15 +171,26 @@ def main() -> int:
         restore.start(background=False)
         assert restore.finish() == set()
 
+    def connector_vec() -> None:
+        restore = Restore(store, lambda e: e, vec_paged, jobs)
+        restore.start(background=False)
+        for index in range(layers):
+            restore.copy_layer(index)
+        assert restore.finish() == set()
+
     def tier() -> None:
         assert load_row(store, "tier", region, 1, row_layout, offsets)
 
-    ways = {"codec": codec_alone, "decoder": decoder, "read": read, "lmcache": lmcache, "connector": connector, "tier": tier}
+    ways = {"codec": codec_alone, "decoder": decoder, "read": read, "lmcache": lmcache, "connector": connector,
+            "connector-vec": connector_vec, "tier": tier}
     for label in cores:  # warm: tables, first-touch pages
         switch(label)
         for fn in ways.values():
             fn()
         assert out.tobytes() == obj.tobytes() and region[1].tobytes() == region[0].tobytes()
+        for i in range(layers):  # the column-major pages hold the entry's tokens, and so do the row pages
+            for view, want in ((vec_paged.keys[i], cache.keys[i]), (paged.keys[i], cache.keys[i])):
+                assert gather_blocks(view, ids).tobytes() == np.ascontiguousarray(want).tobytes()
     times: dict[str, list[float]] = {label + name: [] for label in cores for name in ways}
     for _ in range(args.rounds):
         for label in cores:

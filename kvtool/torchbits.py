@@ -27,6 +27,12 @@ _NUMPY_OF: dict[torch.dtype, np.dtype] = {
 _SAME_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as integers of its element size: moved bit for bit by kernels every dtype has (torch's
+    ``index_copy_`` has none for fp8)."""
+    return tensor.view(_SAME_BITS[tensor.element_size()])
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy (``ml_dtypes``) dtype with ``dtype``'s bit layout."""
     try:

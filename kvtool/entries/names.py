@@ -33,7 +33,9 @@ LMCACHE_PREFIX = "lmcache/"
 OFFLOAD_PREFIX = "vllm-tier/"
 _LMCACHE_PERSON = b"kvtool/lmcache/1"
 _OFFLOAD_PERSON = b"kvtool/vllm-tier"
-_VLLM_PERSON = b"kvtool/vllm/1"
+#: Scheme 2: entries from vLLM's CPU backend hold their tokens' keys and values; under scheme 1 they held its kernels'
+#: tiles, which only the same kernel reads back right, so those entries are never found again.
+_VLLM_PERSON = b"kvtool/vllm/2"
 
 
 def _digest(person: bytes, parts: Sequence[str | bytes]) -> str:

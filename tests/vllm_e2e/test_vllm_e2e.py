@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: create its environment with scripts/vllm-env.sh")
@@ -55,6 +56,37 @@ def restored_tokens(log: str) -> list[int]:
     return [int(n) for n in re.findall(r"restored (\d+) tokens", log)]
 
 
+def assert_entries_hold_the_models_kv(store_url: str, model: Path, tmp_path: Path) -> None:
+    """The first stored entry holds the prompt's keys and values as the model computes them (Hugging Face
+    transformers, through ``kvtool dump``), not vLLM's paged layout: its CPU kernels keep a block's keys
+    column-major, which a round trip through the same kernel would never show."""
+    from kvtool.cache import KVCache
+    from kvtool.kvz import KvzReader
+    from kvtool.store import open_store
+
+    store = open_store(store_url)
+    try:
+        entries = [KvzReader.from_bytes(store.get(key)) for key in store.keys()]
+        (first,) = [reader for reader in entries if reader.token_start == 0]
+        stored = first.read()
+    finally:
+        for reader in entries:
+            reader.close()
+        store.close()
+    text = tmp_path / "prompt.txt"
+    text.write_text(PROMPT.read_text()[:5000])  # as run_vllm.py cuts it
+    dumped = tmp_path / "dumped.safetensors"
+    tokens = stored.keys[0].shape[1]
+    subprocess.run([sys.executable, "-m", "kvtool", "-q", "dump", str(text), "--model", str(model), "-o", str(dumped),
+                    "--max-tokens", str(tokens)], check=True, timeout=300)
+    reference = KVCache.load(dumped)
+    for kind, ours, theirs in (("keys", stored.keys, reference.keys), ("values", stored.values, reference.values)):
+        for layer, (a, b) in enumerate(zip(ours, theirs)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            error = float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
+            assert error < 0.1, f"layer {layer} {kind}: relative error {error:.3f} against the model's own"
+
+
 def test_restore_gives_the_same_tokens_and_bad_entries_are_recomputed(model: Path, tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
     step = {"prompt_file": str(PROMPT), "suffix": SUFFIX}
@@ -66,6 +98,7 @@ def test_restore_gives_the_same_tokens_and_bad_entries_are_recomputed(model: Pat
     assert first["prompt_tokens"] >= 1000
     assert restored_tokens(log) == []
     assert len(list(store_dir.rglob("*.kve"))) >= 4
+    assert_entries_hold_the_models_kv(f"file://{store_dir}", model, tmp_path)
 
     steps = [{**step, "salt": "another-tenant"}, step, {**step, "corrupt_dir": str(store_dir)}]
     (other_salt, hit, corrupted), log = run_vllm(tmp_path, {**connector, "steps": steps})

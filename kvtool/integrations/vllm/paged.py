@@ -15,7 +15,11 @@ kv_heads, head_dim]`` tensor; that shape is recognised too. Any other shape
 is refused with a clear error rather than guessed at.
 
 Both K and V come out as ``[num_blocks, kv_heads, block_size, head_dim]``
-views of the same storage, so writing into them writes vLLM's cache. A block
+views of the same storage, so writing into them writes vLLM's cache. Where the
+CPU backend's kernel lays a block's tiles out otherwise than as token rows
+(``kvtool.integrations.vllm.cpu_tiles``: keys column-major for its ``vec``
+kernels, pairs packed for ``amx``), a view is a ``TiledBlocks`` that reorders
+whole blocks on the way in and out (``gather_blocks``, ``put_blocks``). A block
 id ``SKIPPED`` (a block vLLM does not keep, outside a sliding window) is left
 out of every copy into the cache. An fp8 cache, which vLLM's CPU backend
 allocates as bytes, is viewed as its fp8 type (``typed``).
@@ -23,21 +27,26 @@ allocates as bytes, is viewed as its fp8 type (``typed``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, TypeAlias
 
 import numpy as np
 import torch
 
 from kvtool.destinations import Rows
 from kvtool.errors import UsageError
+from kvtool.integrations.vllm.cpu_tiles import TiledBlocks
 from kvtool.integrations.vllm.kv_groups import SKIPPED
-from kvtool.torchbits import PagedViews, from_numpy, numpy_dtype, to_numpy
+from kvtool.torchbits import PagedViews, as_bits, from_numpy, numpy_dtype, to_numpy
 
 if TYPE_CHECKING:
     from kvtool.integrations.vllm.plan import BlockTable
 
-__all__ = ["from_numpy", "gather_blocks", "grouped_blocks", "kv_views", "numpy_dtype", "scatter_blocks", "to_numpy",
-           "typed"]
+__all__ = ["BlockView", "from_numpy", "gather_blocks", "grouped_blocks", "kv_views", "numpy_dtype", "put_blocks",
+           "scatter_blocks", "to_numpy", "typed"]
+
+#: One layer's keys or values in vLLM's pages: a ``[num_blocks, kv_heads, block_size, head_dim]`` view, or tiles in
+#: another order (vLLM's CPU kernels).
+BlockView: TypeAlias = "torch.Tensor | TiledBlocks"
 
 #: kvtool's fp8 dtypes -> torch's, for caches vLLM allocates as bytes.
 _FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -50,14 +59,18 @@ def typed(layer: torch.Tensor, dtype: str) -> torch.Tensor:
     return layer
 
 
-def kv_views(layer: torch.Tensor, backend: str, head_dim: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's paged tensor."""
+def kv_views(layer: torch.Tensor, backend: str, head_dim: int, block_size: int,
+             tile_orders: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> tuple[BlockView, BlockView]:
+    """Key and value views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's paged tensor; on vLLM's CPU
+    backend, ``tile_orders`` (``cpu_tiles.tile_orders``) says where each token's values lie in a block's tiles."""
     shape = tuple(layer.shape)
     if layer.dim() == 4 and shape[2] == block_size and shape[3] == 2 * head_dim:
         if backend.upper().startswith("CPU"):
             blocks, heads = shape[0], shape[1]
             rows = layer.view(blocks, heads, 2 * block_size, head_dim)
-            return rows[:, :, :block_size], rows[:, :, block_size:]
+            halves = rows[:, :, :block_size], rows[:, :, block_size:]
+            keys, values = (half if order is None else TiledBlocks(half, order) for half, order in zip(halves, tile_orders))
+            return keys, values
         return layer[..., :head_dim], layer[..., head_dim:]
     if layer.dim() == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_dim:
         return layer[0].transpose(1, 2), layer[1].transpose(1, 2)
@@ -67,16 +80,27 @@ def kv_views(layer: torch.Tensor, backend: str, head_dim: int, block_size: int) 
     )
 
 
-def gather_blocks(view: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
+def gather_blocks(view: BlockView, block_ids: Sequence[int]) -> np.ndarray:
     """The blocks ``block_ids`` of a K or V view as one ``[kv_heads, tokens, head_dim]`` host array (a copy)."""
-    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=view.device)
-    picked = view.index_select(0, index)  # [n, heads, block, dim]
+    if isinstance(view, TiledBlocks):
+        picked = view.gather(block_ids)
+    else:
+        picked = view.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.long, device=view.device))
+    # picked: [n, heads, block, dim]
     n, heads, block, dim = picked.shape
     tokens = picked.permute(1, 0, 2, 3).reshape(heads, n * block, dim).to("cpu").contiguous()
     return to_numpy(tokens)
 
 
-def scatter_blocks(view: torch.Tensor, block_ids: Sequence[int], array: torch.Tensor) -> None:
+def put_blocks(view: BlockView, index: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Write ``[n, kv_heads, block_size, head_dim]`` ``blocks`` into the blocks ``index`` of a K or V view."""
+    if isinstance(view, TiledBlocks):
+        view.put(index, blocks)
+    else:
+        as_bits(view).index_copy_(0, index, as_bits(blocks.to(view.device, non_blocking=True)))
+
+
+def scatter_blocks(view: BlockView, block_ids: Sequence[int], array: torch.Tensor) -> None:
     """Write ``array`` (``[kv_heads, len(block_ids) * block_size, head_dim]``) into blocks ``block_ids``
     (those that are not ``SKIPPED``)."""
     n = len(block_ids)
@@ -87,8 +111,7 @@ def scatter_blocks(view: torch.Tensor, block_ids: Sequence[int], array: torch.Te
     kept = [i for i, b in enumerate(block_ids) if b != SKIPPED]
     if len(kept) < n:
         blocks = blocks[kept]
-    index = torch.as_tensor([block_ids[i] for i in kept], dtype=torch.long, device=view.device)
-    view.index_copy_(0, index, blocks.to(view.device, non_blocking=True))
+    put_blocks(view, torch.as_tensor([block_ids[i] for i in kept], dtype=torch.long, device=view.device), blocks)
 
 
 def grouped_blocks(paged: PagedViews, groups: Sequence[int], block_ids: "BlockTable", block_size: int,

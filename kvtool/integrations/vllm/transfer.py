@@ -41,7 +41,7 @@ from kvtool.dtypes import dtype_of
 from kvtool.entries import Expected, Miss, Opened, Restored, open_entry, put_cache
 from kvtool.integrations.vllm.device_capture import DeviceCapture
 from kvtool.integrations.vllm.kv_groups import SKIPPED
-from kvtool.integrations.vllm.paged import gather_blocks, grouped_blocks, to_numpy
+from kvtool.integrations.vllm.paged import BlockView, gather_blocks, grouped_blocks, put_blocks, to_numpy
 from kvtool.integrations.vllm.plan import LoadJob, SaveJob
 from kvtool.integrations.vllm.stats import StatsCollector
 from kvtool.store import Store
@@ -63,8 +63,8 @@ class PagedLayers:
     (the index of its block list in a job's ``block_ids``; all 0 when not given)."""
 
     names: list[str]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[BlockView]
+    values: list[BlockView]
     block_size: int
     dtype: torch.dtype
     groups: list[int] = field(default_factory=list)
@@ -91,8 +91,13 @@ class PagedLayers:
         return all(k.device.type == "cpu" for k in self.keys)
 
     @functools.cached_property
+    def direct(self) -> bool:
+        """Whether a restore decodes straight into the pages: CPU pages whose blocks are token rows (``paged``)."""
+        return self.on_cpu and all(isinstance(view, torch.Tensor) for view in self.keys + self.values)
+
+    @functools.cached_property
     def paged(self) -> PagedViews:
-        """Where the K then V views of every layer lie in their storages (CPU tensors), read once."""
+        """Where the K then V views of every layer lie in their storages (CPU token rows: ``direct``), read once."""
         return PagedViews.of([view for pair in zip(self.keys, self.values) for view in pair])
 
     def blocks(self, job: LoadJob, layer: int | None = None) -> Destination:
@@ -172,7 +177,6 @@ class Restore:
         self._started = 0.0
         self._gpu_decode = gpu_decode
         self._gpu: GpuPages | None = None
-        self._on_cpu = layers.on_cpu
         self._direct = False
 
     # -- driving ------------------------------------------------------------------------
@@ -180,13 +184,15 @@ class Restore:
         """Decode on a thread, layer by layer, while the forward pass runs (``background``); or now,
         where a CPU cache lets each entry be decoded straight into its paged blocks."""
         self._started = time.perf_counter()
-        self._direct = not background and self._on_cpu
+        self._direct = not background and self._layers.direct
         keys, values = self._layers.keys, self._layers.values
-        use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].is_cuda and gpu.status()[0]
-        if use_gpu and not self._direct and len(set(self._layers.groups)) <= 1:  # the GPU pages take one block table
+        use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].device.type == "cuda" and gpu.status()[0]
+        rows = all(isinstance(view, torch.Tensor) for view in keys + values)
+        if use_gpu and rows and not self._direct and len(set(self._layers.groups)) <= 1:  # the GPU pages take one block table
             from kvtool.gpu.pages import GpuPages  # imports Triton
 
-            self._gpu = GpuPages(keys, values) if GpuPages.usable(keys, values) else None
+            cuda_keys, cuda_values = cast("list[torch.Tensor]", keys), cast("list[torch.Tensor]", values)
+            self._gpu = GpuPages(cuda_keys, cuda_values) if GpuPages.usable(cuda_keys, cuda_values) else None
         if background:
             self._ready = [threading.Event() for _ in self._copied]
             self._thread = threading.Thread(target=self._run, name="kvtool-restore", daemon=True)
@@ -209,8 +215,7 @@ class Restore:
             kept = [i for i, b in enumerate(block_ids) if b != SKIPPED]  # blocks vLLM does not keep stay out
             ids = torch.as_tensor([block_ids[i] for i in kept], dtype=torch.long, device=self._layers.keys[index].device)
             for view, blocks in zip((self._layers.keys[index], self._layers.values[index]), staged):
-                kept_blocks = blocks if len(kept) == len(block_ids) else blocks[kept]
-                view.index_copy_(0, ids, kept_blocks.to(view.device, non_blocking=True))
+                put_blocks(view, ids, blocks if len(kept) == len(block_ids) else blocks[kept])
         done = time.perf_counter()
         self.times.copy += done - copying
         self._staged[index] = []
@@ -259,9 +264,11 @@ class Restore:
             else:
                 if self._gpu is not None:
                     self._hand_to_gpu(self._gpu)
+                if not self._ready:  # before the forward pass: each entry's layers in one decode, into staging
+                    self._restore_staged(list(range(len(self._copied))))
                 for index in range(len(self._copied)):
-                    self._restore_layer(index)
                     if self._ready:
+                        self._restore_layer(index)
                         self._ready[index].set()
             self.times.decode = time.perf_counter() - decoding
         except BaseException:
@@ -309,21 +316,30 @@ class Restore:
         pages.start()
 
     def _restore_layer(self, index: int) -> None:
-        """Layer ``index`` of every entry the CPU decodes: straight into the pages on a CPU cache, else into pinned
-        staging in block order for ``copy_layer``."""
+        """Layer ``index`` of every entry the CPU decodes: straight into the pages where they are token rows on the
+        CPU (``PagedLayers.direct``), else into staging in block order for ``copy_layer``."""
+        layers = self._layers
+        if not layers.direct:
+            self._restore_staged([index])
+            return
+        for p in self._pending:
+            if p.opened is not None and not self._is_failed(p):
+                self._restore(p, layers.blocks(p.job, index), [index], layers.tokens(p.job))
+
+    def _restore_staged(self, picked: list[int]) -> None:
+        """Layers ``picked`` of every entry the CPU decodes, each entry in one decode into staging (pinned where CUDA
+        runs) in block order, which ``copy_layer`` moves into the pages."""
         layers = self._layers
         for p in self._pending:
             if p.opened is None or self._is_failed(p):
                 continue
-            if self._on_cpu:
-                self._restore(p, layers.blocks(p.job, index), [index], layers.tokens(p.job))
-                continue
             n, bs = p.job.restored_blocks, layers.block_size
-            staging = torch.empty((2, n, layers.heads, bs, layers.head_dim), dtype=layers.dtype,
+            staging = torch.empty((len(picked), 2, n, layers.heads, bs, layers.head_dim), dtype=layers.dtype,
                                   pin_memory=torch.cuda.is_available())
-            self._restore(p, paged_blocks(list(staging), range(n)), [index], layers.tokens(p.job))
+            self._restore(p, paged_blocks(list(staging.flatten(0, 1)), range(n)), picked, layers.tokens(p.job))
             if not self._is_failed(p):
-                self._staged[index].append((list(p.job.block_ids[layers.group(index)]), staging))
+                for index, pair in zip(picked, staging):
+                    self._staged[index].append((list(p.job.block_ids[layers.group(index)]), pair))
 
     def _failed(self, p: _Pending, restored: Restored, where: str = "") -> None:
         assert restored.miss is not None
@@ -381,12 +397,12 @@ class Capture:
 
     def take_layer(self, index: int, layers: PagedLayers) -> None:
         key_view, value_view = layers.keys[index], layers.values[index]
-        if key_view.is_cuda and self.device is None:
+        if key_view.device.type == "cuda" and self.device is None:
             self.device = DeviceCapture(key_view.device)
         for job in (j for js in self.jobs.values() for j in js):
             k, v = self.arrays.setdefault(job.entry_id, [[None] * self.num_layers, [None] * self.num_layers])
             block_ids = job.block_ids[layers.group(index)]
-            if self.device is not None:
+            if self.device is not None and isinstance(key_view, torch.Tensor) and isinstance(value_view, torch.Tensor):
                 k[index] = to_numpy(self.device.gather(key_view, block_ids))
                 v[index] = to_numpy(self.device.gather(value_view, block_ids))
             else:

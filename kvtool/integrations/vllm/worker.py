@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvtool.integrations.vllm.context import ConnectorContext, ConnectorSide
+from kvtool.integrations.vllm.cpu_tiles import attention_isa, tile_orders
 from kvtool.integrations.vllm.dictionary import DictionaryKeeper
 from kvtool.integrations.vllm.paged import kv_views, typed
 from kvtool.integrations.vllm.plan import StepPlan
@@ -62,15 +63,29 @@ class KvtoolWorker(ConnectorSide):
         names = list(kv_caches)
         tensors = [typed(kv_caches[name], kv.dtype or "") for name in names]
         backends = [_attention_backend(self._vllm_config, name) for name in names]
-        views = [kv_views(t, backend, head_dim, block_size) for t, backend in zip(tensors, backends)]
+        orders = [self._tile_orders(name, backend, head_dim, block_size) for name, backend in zip(names, backends)]
+        views = [kv_views(t, backend, head_dim, block_size, order) for t, backend, order in zip(tensors, backends, orders)]
         first = tensors[0]
         self._layers = PagedLayers(names, [k for k, _ in views], [v for _, v in views], block_size, first.dtype,
                                    [kv.group_of(name) for name in names])
         overlap = self.context.settings.overlap
         self._overlap = first.device.type != "cpu" if overlap is None else overlap
-        log.info("kvtool: %d layers (%s), paged KV %s %s on %s (backend %s), restore %s", len(views), kv.describe(),
+        tiled = sum(order != (None, None) for order in orders)
+        log.info("kvtool: %d layers (%s), paged KV %s %s on %s (backend %s%s), restore %s", len(views), kv.describe(),
                  list(first.shape), first.dtype, first.device, ",".join(sorted(set(backends))),
+                 f"; {tiled} layers' blocks reordered from its kernel's tiles" if tiled else "",
                  "overlapped with compute" if self._overlap else "before the forward pass")
+
+    def _tile_orders(self, name: str, backend: str, head_dim: int,
+                     block_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where vLLM's CPU kernel puts a block's keys and values (``cpu_tiles``); (None, None) for token rows."""
+        if not backend.upper().startswith("CPU"):
+            return None, None
+        model_dtype, cache_dtype = self._vllm_config.model_config.dtype, self._vllm_config.cache_config.cache_dtype
+        isa = getattr(self._vllm_config.compilation_config.static_forward_context.get(name), "isa", None)
+        if not isinstance(isa, str):
+            isa = attention_isa(model_dtype, block_size, head_dim, cache_dtype)
+        return tile_orders(isa, model_dtype, cache_dtype, block_size, head_dim)
 
     def start_load_kv(self, plan: StepPlan | None) -> None:
         if plan is None or not plan.loads or self._layers is None:
