@@ -13,7 +13,7 @@ SOURCES = [
     "_core.c", "kernels_py.c", "isa.c", "xxh3.c", "huffman.c", "lanes.c", "exphuff.c", "exphuff_merge.c", "ctxans_model.c",
     "ctxans_encode.c", "ctxans_decode.c", "ctxans_simd.c", "ctxans_py.c", "intquant.c", "intquant_batch.c", "lossy_stats.c", "outliers.c", "intcodes.c",
     "ctxtans.c", "ctxtans_encode.c", "ctxtans_py.c", "model_py.c", "repeats.c", "ctxtans_lanes.c", "ctxtans_avx2.c",
-    "ctxtans_avx512.c", "ctxtans_lanes_encode.c", "pca.c", "pca_decode.c", "pca_py.c",
+    "ctxtans_avx512.c", "ctxtans_lanes_encode.c", "pca.c", "pca_decode.c", "pca_symbols.c", "pca_py.c",
 ]
 
 
@@ -47,7 +47,7 @@ setup(
                      "kvtool/_native/ctxans_impl.h", "kvtool/_native/ctxtans.h", "kvtool/_native/ctxtans_impl.h",
                      "kvtool/_native/ctxtans_lanes.h", "kvtool/_native/model_py.h",
                      "kvtool/_native/repeats.h", "kvtool/_native/values.h", "kvtool/_native/floats.h", "kvtool/_native/pca.h",
-                     "kvtool/_native/pca_impl.h"],
+                     "kvtool/_native/pca_impl.h", "kvtool/_native/pca_symbols.h"],
             # -ffp-contract=off: no fused multiply-add, so float results match numpy's bit for bit
             extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-ffp-contract=off"],
             optional=True,

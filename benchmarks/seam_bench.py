@@ -26,13 +26,11 @@ tree's core: a change to the core timed before and after on the same machine at 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import numpy as np
@@ -42,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from cores import load_core, use_core  # noqa: E402 (benchmarks/cores.py)
 from kvtool import _native  # noqa: E402
 from kvtool.cache import KVCache  # noqa: E402
 from kvtool.destinations import PagedBlocks  # noqa: E402
@@ -64,21 +63,6 @@ def cpu_ms(fn: Callable[[], object]) -> float:
     start = time.thread_time()
     fn()
     return (time.thread_time() - start) * 1e3
-
-
-def load_core(path: Path) -> ModuleType:
-    """A build of kvtool's core loaded from ``path``, beside this tree's own."""
-    spec = importlib.util.spec_from_file_location("_core", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"not an extension module: {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def use_core(module: ModuleType) -> None:
-    """Every kvtool call from here on runs ``module`` as its core."""
-    _native._load = lambda: (module, "")  # type: ignore[assignment]
 
 
 def main() -> int:

@@ -28,12 +28,11 @@ from typing import Any
 import numpy as np
 
 from kvtool._native.batch import BatchCodec
-from kvtool._native.int_batch import IntBatchCodec
 from kvtool.codecs import ArrayCodec, Codec, codec_from_config, get_codec, registry as codec_registry
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.layouts import LayoutChain, layout_from_config, parse_layouts
 from kvtool.layouts import registry as layout_registry
-from kvtool.layouts.base import PlaneSpec
+from kvtool.layouts.base import PlaneSpec, StageKernel
 from kvtool.layouts.lossy import SideChannel
 
 DEFAULT_RECIPE = "exphuff"
@@ -90,7 +89,7 @@ class Recipe:
             return None
         return self.codec.batch_kernel(dtype)
 
-    def stage_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
+    def stage_kernel(self, dtype: np.dtype) -> StageKernel | None:
         """The native kernel of the recipe's only layout (``Layout.batch_kernel``), where every codec of its planes
         hands planes to it (``Codec.plane_batch``)."""
         if len(self.layouts) != 1 or not all(c.plane_batch for c in [self.codec, *self.plane_codecs.values()]):

@@ -75,7 +75,7 @@ def test_core_writes_and_reads_the_reference_bytes(basis, code, dtype, spec):
                 assert np.array_equal(plane, ref.encode(np.ascontiguousarray(block), tensor, position, exact, plane.size))
                 spec_ = PlaneSpec.of(block)
                 expected = ref.decode(plane, tensor, spec_.shape, spec_.dtype).tobytes()
-                for _ in vector_levels():  # the decoder's basis sums: portable C, and AVX2 where the CPU has it
+                for _ in vector_levels():  # the decoder: portable C, and AVX2 and AVX-512 where the CPU has them
                     restored = stage.inverse([plane], [spec_])[0]
                     assert restored.tobytes() == expected
                 error = np.abs(restored.astype(np.float64) - block.astype(np.float64))

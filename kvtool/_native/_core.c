@@ -478,6 +478,7 @@ PyObject *kvn_py_int_codes_decode(PyObject *self, PyObject *args);
 PyObject *kvn_py_pca_model(PyObject *self, PyObject *args);
 PyObject *kvn_py_pca_encode(PyObject *self, PyObject *args);
 PyObject *kvn_py_pca_decode(PyObject *self, PyObject *args);
+PyObject *kvn_py_pca_decode_run(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"xxh3_64", kvn_py_xxh3_64, METH_VARARGS, "XXH3-64 (seed 0) of a buffer, in one piece or in pieces of a given size."},
@@ -503,6 +504,8 @@ static PyMethodDef methods[] = {
     {"pca_model", kvn_py_pca_model, METH_VARARGS, "One tensor's pca coder (basis, step, tables), as a capsule."},
     {"pca_encode", kvn_py_pca_encode, METH_VARARGS, "Code one C-contiguous block as a pca plane; returns a status."},
     {"pca_decode", kvn_py_pca_decode, METH_VARARGS, "Restore one pca plane into a C-contiguous block; returns a status."},
+    {"pca_decode_run", kvn_py_pca_decode_run, METH_VARARGS,
+     "Restore a run of pca planes straight into a destination's rows; returns (status, failing block)."},
     {"decode_rows", py_decode_rows, METH_VARARGS, "Decode a batch of chunks row by row into given byte offsets: (status, failed job)."},
     {NULL, NULL, 0, NULL},
 };

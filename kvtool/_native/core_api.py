@@ -10,7 +10,7 @@ truth value, ``O!`` with ``PyList_Type`` a list. A status is 0 (done) or one of 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -82,3 +82,5 @@ class NativeCore(Protocol):
     def pca_encode(self, block: In, plane: Out, model: CoderModel, dtype: int, tokens: int, position: int, exact: In,
                    /) -> int: ...
     def pca_decode(self, plane: In, out: Out, model: CoderModel, dtype: int, tokens: int, /) -> int: ...
+    def pca_decode_run(self, planes: Sequence[In], models: Sequence[CoderModel], dtype: int, tokens: In, rows: In,
+                       starts: In, out_index: In, targets: Sequence[Out], /) -> tuple[int, int]: ...

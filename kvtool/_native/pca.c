@@ -61,15 +61,21 @@ static inline float load_value(int dtype, const uint8_t *p) {
     return v;
 }
 
-/* acc[j] = sum over i in order of y[i] * weights[i][j], vectorised across j. */
+/* Tokens projected together: each row of the weights read from the cache once for all of them. */
+#define PCA_PROJECT 8
+
+/* acc[b][j] = sum over i in order of y[b][i] * weights[i][j], for `count` tokens b (rows of y `width` apart, of acc
+ * `components`), vectorised across j. */
 KVN_MULTIVERSION
-static void project(const kvn_pca_model *m, const float *y, float *acc) {
-    size_t c = m->components;
-    for (size_t j = 0; j < c; j++) acc[j] = 0.0f;
-    for (size_t i = 0; i < m->width; i++) {
+static void project(const kvn_pca_model *m, const float *y, size_t count, float *acc) {
+    size_t c = m->components, width = m->width;
+    for (size_t k = 0; k < count * c; k++) acc[k] = 0.0f;
+    for (size_t i = 0; i < width; i++) {
         const float *w = m->weights + i * c;
-        float v = y[i];
-        for (size_t j = 0; j < c; j++) acc[j] = acc[j] + v * w[j];
+        for (size_t b = 0; b < count; b++) {
+            float v = y[b * width + i], *a = acc + b * c;
+            for (size_t j = 0; j < c; j++) a[j] = a[j] + v * w[j];
+        }
     }
 }
 
@@ -118,25 +124,26 @@ static int rans_encode(const kvn_pca_model *m, const uint8_t *cls, const uint8_t
     uint8_t *words = dst + 4 * KVN_PCA_STATES;
     uint32_t x[KVN_PCA_STATES];
     for (int s = 0; s < KVN_PCA_STATES; s++) x[s] = KVN_PCA_LOW;
-    for (size_t i = total; i-- > 0;) {
-        unsigned sym, model;
-        if (i < c) {
-            sym = cls[i];
-            model = 0;
-        } else {
-            size_t k = i - c, j = live[k % nlive];
-            sym = syms[(k / nlive) * c + j];
-            model = cls[j];
-        }
-        uint32_t f = m->freq[model][sym], *state = &x[i % KVN_PCA_STATES];
-        if (*state >= f << (32 - KVN_PCA_PROB_BITS)) {
-            if (nwords >= words_cap) return KVN_ERR_NOMEM;
-            uint16_t word = (uint16_t)*state;
-            memcpy(words + 2 * nwords++, &word, 2);  /* in coding order; reversed below */
-            *state >>= 16;
-        }
-        *state = ((*state / f) << KVN_PCA_PROB_BITS) + *state % f + m->cum[model][sym];
-    }
+    /* Symbol i (in reading order: the classes, then each coded token's live components) takes state i % 8; coded
+     * from the last, each division by a frequency a multiplication by its reciprocal (exact: rcp in pca.h). */
+    size_t i = total;
+#define PUT(MODEL, SYM)                                                                                          \
+    do {                                                                                                         \
+        unsigned model_ = (MODEL), sym_ = (SYM);                                                                 \
+        uint32_t f = m->freq[model_][sym_], *state = &x[--i % KVN_PCA_STATES];                                   \
+        if (*state >= f << (32 - KVN_PCA_PROB_BITS)) {                                                           \
+            if (nwords >= words_cap) return KVN_ERR_NOMEM;                                                       \
+            uint16_t word = (uint16_t)*state;                                                                    \
+            memcpy(words + 2 * nwords++, &word, 2); /* in coding order; reversed below */                        \
+            *state >>= 16;                                                                                       \
+        }                                                                                                        \
+        uint32_t q = f == 1 ? *state : (uint32_t)(((unsigned __int128)*state * m->rcp[model_][sym_]) >> 64);     \
+        *state = (q << KVN_PCA_PROB_BITS) + (*state - q * f) + m->cum[model_][sym_];                             \
+    } while (0)
+    for (size_t t = ntokens; t-- > 0;)
+        for (size_t k = nlive; k-- > 0;) PUT(cls[live[k]], syms[t * c + live[k]]);
+    for (size_t j = c; j-- > 0;) PUT(0, cls[j]);
+#undef PUT
     for (size_t a = 0, b = nwords; a + 1 < b; a++, b--) {
         uint16_t lo, hi;
         memcpy(&lo, words + 2 * a, 2);
@@ -169,14 +176,43 @@ typedef struct {
     uint8_t *syms;     /* [tokens][components]: the coded tokens', in order */
     uint8_t *nbits;
     uint16_t *extra;
-    float *x, *y, *acc, *cs, *sn;
+    float *x, *y, *acc, *cs, *sn;  /* y: [PCA_PROJECT][width], acc: [PCA_PROJECT][components] */
 } encode_scratch;
 
 /* Each token's coefficients and symbols; tokens that cannot be coded join the exact ones. Returns the count
  * of coded tokens. */
+/* The symbols of the projected tokens which[0..count-1] (their coefficients in rows of s->acc) into the rows
+ * from `coded` on, in order; a token whose coefficients do not fit is kept exact instead. The rows used. */
+static size_t quantize_tokens(const kvn_pca_model *m, double top, const size_t *which, size_t count, encode_scratch *s,
+                              size_t coded) {
+    size_t c = m->components, first = coded;
+    for (size_t b = 0; b < count; b++) {
+        const float *acc = s->acc + b * c;
+        double total = 0.0;
+        int beyond = 0;
+        uint8_t *sym = s->syms + coded * c, *nbits = s->nbits + coded * c;
+        uint16_t *extra = s->extra + coded * c;
+        for (size_t j = 0; j < c; j++) {
+            double q = rint((double)acc[j] * m->inverse);
+            if (!(fabs(q) <= KVN_PCA_MAX_Q)) { beyond = 1; continue; }  /* NaN too: only from overflowing sums */
+            total += fabs(q);
+            coded_q one = symbol_of((int32_t)q);
+            sym[j] = one.sym;
+            nbits[j] = one.nbits;
+            extra[j] = one.extra;
+        }
+        if (beyond || total >= KVN_PCA_MAX_SUM || 2.0 * (total * (double)m->step + m->mean_max) >= top) {
+            s->exact[which[b]] = 1;
+            continue;
+        }
+        coded++;
+    }
+    return coded - first;
+}
+
 static size_t quantize_block(const kvn_pca_model *m, int dtype, size_t tokens, const uint8_t *src, uint64_t position,
                            encode_scratch *s) {
-    size_t w = kvn_itemsize(dtype), c = m->components, coded = 0;
+    size_t w = kvn_itemsize(dtype), coded = 0, batch[PCA_PROJECT], queued = 0;
     double top = top_of(dtype) / 2;
     for (size_t t = 0; t < tokens; t++) {
         if (s->exact[t]) continue;
@@ -188,26 +224,18 @@ static size_t quantize_block(const kvn_pca_model *m, int dtype, size_t tokens, c
             kvn_pca_rotation(m, position + t, s->cs, s->sn);
             kvn_pca_rotate(m, s->x, s->cs, s->sn, 1);
         }
-        for (size_t i = 0; i < m->width; i++) s->y[i] = s->x[i] - m->mean[i];
-        project(m, s->y, s->acc);
-        double total = 0.0;
-        int beyond = 0;
-        uint8_t *sym = s->syms + coded * c, *nbits = s->nbits + coded * c;
-        uint16_t *extra = s->extra + coded * c;
-        for (size_t j = 0; j < c; j++) {
-            double q = rint((double)s->acc[j] * m->inverse);
-            if (!(fabs(q) <= KVN_PCA_MAX_Q)) { beyond = 1; continue; }  /* NaN too: only from overflowing sums */
-            total += fabs(q);
-            coded_q one = symbol_of((int32_t)q);
-            sym[j] = one.sym;
-            nbits[j] = one.nbits;
-            extra[j] = one.extra;
+        float *y = s->y + queued * m->width;
+        for (size_t i = 0; i < m->width; i++) y[i] = s->x[i] - m->mean[i];
+        batch[queued++] = t;
+        if (queued == PCA_PROJECT) {
+            project(m, s->y, queued, s->acc);
+            coded += quantize_tokens(m, top, batch, queued, s, coded);
+            queued = 0;
         }
-        if (beyond || total >= KVN_PCA_MAX_SUM || 2.0 * (total * (double)m->step + m->mean_max) >= top) {
-            s->exact[t] = 1;
-            continue;
-        }
-        coded++;
+    }
+    if (queued) {
+        project(m, s->y, queued, s->acc);
+        coded += quantize_tokens(m, top, batch, queued, s, coded);
     }
     return coded;
 }
@@ -291,7 +319,8 @@ int kvn_pca_encode(const kvn_pca_model *m, int dtype, size_t tokens, const void 
         return KVN_ERR_ARG;
     size_t c = m->components, n = tokens * (c ? c : 1);
     encode_scratch s = {malloc(tokens + 1), malloc(n + 1), malloc(n + 1), malloc(2 * n + 2), malloc(4 * m->width),
-                        malloc(4 * m->width), malloc(4 * c + 4), malloc(2 * m->dim + 4), malloc(2 * m->dim + 4)};
+                        malloc(4 * PCA_PROJECT * m->width), malloc(4 * PCA_PROJECT * c + 4), malloc(2 * m->dim + 4),
+                        malloc(2 * m->dim + 4)};
     int rc = s.exact && s.syms && s.nbits && s.extra && s.x && s.y && s.acc && s.cs && s.sn ? KVN_OK : KVN_ERR_NOMEM;
     memset(plane, 0, plane_len);
     size_t w = kvn_itemsize(dtype), count = tokens * m->width;

@@ -29,11 +29,18 @@ typedef struct {
     int16_t *basis;            /* [components][width] */
     float *freqs;              /* [dim / 2] where keys are de-rotated */
     uint16_t freq[KVN_PCA_MAX_CLASSES + 1][KVN_PCA_SYMBOLS], cum[KVN_PCA_MAX_CLASSES + 1][KVN_PCA_SYMBOLS];
+    /* The encoder's: ceil(2^64 / freq), so that a state x < 2^32 over freq is (x * rcp) >> 64 exactly (the error,
+     * under x / 2^64 < 2^-32, is below the 1 / freq >= 2^-11 that parts x / freq from the next integer); freq 1
+     * is taken as it is. */
+    uint64_t rcp[KVN_PCA_MAX_CLASSES + 1][KVN_PCA_SYMBOLS];
     int64_t table_costs[KVN_PCA_MAX_CLASSES][KVN_PCA_SYMBOLS], class_costs[KVN_PCA_MAX_CLASSES + 1];
     /* The decoder's: per model and slot, (frequency, slot - cumulative frequency, symbol) packed as 12, 11 and 6
-     * bits; the basis rows two by two, row 2p's entry in the low and row 2p + 1's in the high half of an int32
+     * bits, in a table every coder of the same coefficient tables (one dictionary's tensors) shares, so a
+     * restore that goes from tensor to tensor reads one table from the cache, not one per tensor; the basis
+     * rows two by two, row 2p's entry in the low and row 2p + 1's in the high half of an int32
      * ([ceil(c / 2)][width], zero past the last row). */
-    uint32_t slots[KVN_PCA_MAX_CLASSES + 1][1 << KVN_PCA_PROB_BITS];
+    const uint32_t (*slots)[1 << KVN_PCA_PROB_BITS];
+    void *shared;              /* the bindings' handle on the shared table */
     int32_t *pairs;
 } kvn_pca_model;
 
@@ -48,5 +55,19 @@ int kvn_pca_encode(const kvn_pca_model *m, int dtype, size_t tokens, const void 
  * that is NULL. KVN_ERR_CORRUPT where the plane is malformed; rows may then hold part of the block. */
 int kvn_pca_decode_rows(const kvn_pca_model *m, int dtype, size_t tokens, const uint8_t *plane, size_t plane_len,
                         uint8_t *const *rows);
+
+/* The rotary angles (cos, sin: [count][half]) of the positions first .. first + count - 1 under the frequencies
+ * `freqs`, kept between the blocks of one restore: every key tensor of a dictionary turns a token by the same
+ * angles, so a run of blocks of one span of positions computes them once. Zero-initialised; freed with
+ * kvn_pca_angles_free. */
+typedef struct {
+    float *cs, *sn, *freqs;
+    size_t cap, half, count;
+    uint64_t first;
+} kvn_pca_angles;
+/* kvn_pca_decode_rows with the angles kept in `angles` (NULL: each token's computed as it is restored). */
+int kvn_pca_decode_rows_with(const kvn_pca_model *m, int dtype, size_t tokens, const uint8_t *plane, size_t plane_len,
+                             uint8_t *const *rows, kvn_pca_angles *angles);
+void kvn_pca_angles_free(kvn_pca_angles *angles);
 
 #endif

@@ -10,8 +10,55 @@
 
 #define CAPSULE_NAME "kvtool.pca_model"
 
+/* The decoder's slot tables, one per distinct set of coefficient tables, shared by every coder built from
+ * them and freed with the last: touched only with the GIL held (model_new and the capsules' destructor). */
+typedef struct shared_slots {
+    struct shared_slots *next;
+    size_t refs;
+    int classes;
+    uint16_t freq[KVN_PCA_MAX_CLASSES + 1][KVN_PCA_SYMBOLS];
+    uint32_t slots[KVN_PCA_MAX_CLASSES + 1][1 << KVN_PCA_PROB_BITS];
+} shared_slots;
+
+static shared_slots *shared_tables;
+
+/* The shared table of m's coefficient tables (m->freq, m->classes), built where none is; NULL without memory. */
+static shared_slots *shared_acquire(const kvn_pca_model *m) {
+    size_t rows = (size_t)(m->classes + 1) * sizeof m->freq[0];
+    for (shared_slots *t = shared_tables; t; t = t->next)
+        if (t->classes == m->classes && !memcmp(t->freq, m->freq, rows)) {
+            t->refs++;
+            return t;
+        }
+    shared_slots *t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    t->refs = 1;
+    t->classes = m->classes;
+    memcpy(t->freq, m->freq, rows);
+    for (int model = 0; model <= m->classes; model++)
+        for (int s = 0; s < KVN_PCA_SYMBOLS; s++) {
+            uint32_t f = m->freq[model][s], sum = m->cum[model][s];
+            for (uint32_t slot = sum; slot < sum + f && slot < (1u << KVN_PCA_PROB_BITS); slot++)
+                t->slots[model][slot] = f | (slot - sum) << 12 | (uint32_t)s << 23;
+        }
+    t->next = shared_tables;
+    shared_tables = t;
+    return t;
+}
+
+static void shared_release(shared_slots *t) {
+    if (!t || --t->refs) return;
+    for (shared_slots **at = &shared_tables; *at; at = &(*at)->next)
+        if (*at == t) {
+            *at = t->next;
+            break;
+        }
+    free(t);
+}
+
 static void model_free(kvn_pca_model *m) {
     if (!m) return;
+    shared_release(m->shared);
     free(m->mean);
     free(m->weights);
     free(m->basis);
@@ -59,9 +106,7 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
             uint16_t f = freq[model * KVN_PCA_SYMBOLS + s];
             m->freq[model][s] = f;
             m->cum[model][s] = (uint16_t)sum;
-            for (uint32_t slot = sum; slot < sum + f && slot < (1u << KVN_PCA_PROB_BITS); slot++) {
-                m->slots[model][slot] = f | (slot - sum) << 12 | (uint32_t)s << 23;
-            }
+            m->rcp[model][s] = f > 1 ? UINT64_MAX / f + 1 : 0;
             sum += f;
         }
         if (sum != 1u << KVN_PCA_PROB_BITS) {
@@ -69,6 +114,13 @@ static kvn_pca_model *model_new(size_t heads, size_t dim, size_t components, int
             return NULL;
         }
     }
+    shared_slots *shared = shared_acquire(m);
+    if (!shared) {
+        model_free(m);
+        return NULL;
+    }
+    m->shared = shared;
+    m->slots = (const uint32_t(*)[1 << KVN_PCA_PROB_BITS])shared->slots;
     for (int k = 0; k < classes; k++)
         for (int s = 0; s < KVN_PCA_SYMBOLS; s++) m->table_costs[k][s] = table_costs[k * KVN_PCA_SYMBOLS + s];
     for (int k = 0; k <= classes; k++) m->class_costs[k] = class_costs[k];
@@ -160,4 +212,82 @@ PyObject *kvn_py_pca_decode(PyObject *self, PyObject *args) {
     if (!m) return NULL;
     if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
     return PyLong_FromLong(rc);
+}
+
+/* pca_decode_run(planes, models, dtype, tokens, rows, starts, out_index, targets) -> (status, block)
+ * A run of blocks straight into a destination's rows, the GIL released: block i is pca plane planes[i] of
+ * tokens[i] tokens, coded with models[i]; its row (h, t) goes to byte rows[starts[i] + h * tokens[i] + t] of
+ * targets[out_index[i]], nowhere where that is -1 (int64 arrays). Every offset is checked against its target
+ * before a byte is written. Stops at the first block whose status is not 0 and says which. */
+PyObject *kvn_py_pca_decode_run(PyObject *self, PyObject *args) {
+    PyObject *planes_obj, *models_obj, *targets_obj;
+    Py_buffer tokens_buf, rows_buf, starts_buf, index_buf;
+    int dtype;
+    if (!PyArg_ParseTuple(args, "OOiy*y*y*y*O", &planes_obj, &models_obj, &dtype, &tokens_buf, &rows_buf, &starts_buf,
+                          &index_buf, &targets_obj))
+        return NULL;
+    PyObject *planes = PySequence_Fast(planes_obj, "planes must be a sequence");
+    PyObject *models = planes ? PySequence_Fast(models_obj, "models must be a sequence") : NULL;
+    PyObject *targets = models ? PySequence_Fast(targets_obj, "targets must be a sequence") : NULL;
+    Py_ssize_t n = planes ? PySequence_Fast_GET_SIZE(planes) : 0, ntargets = targets ? PySequence_Fast_GET_SIZE(targets) : 0;
+    Py_buffer *views = targets ? calloc((size_t)(n + ntargets) + 1, sizeof *views) : NULL;
+    const kvn_pca_model **coders = views ? calloc((size_t)n + 1, sizeof *coders) : NULL;
+    Py_ssize_t held = 0, failed_at = 0;
+    int rc = KVN_ERR_ARG, ok = coders != NULL;
+    if (targets && !coders) PyErr_NoMemory();
+    const int64_t *tokens = tokens_buf.buf, *rows = rows_buf.buf, *starts = starts_buf.buf, *out_index = index_buf.buf;
+    size_t nrows = (size_t)rows_buf.len / 8;
+    ok = ok && PySequence_Fast_GET_SIZE(models) == n && tokens_buf.len == 8 * n && starts_buf.len == 8 * n &&
+         index_buf.len == 8 * n && rows_buf.len % 8 == 0 && dtype >= 0 && dtype <= KVN_FP32;
+    for (Py_ssize_t i = 0; ok && i < n + ntargets; i++, held++) {
+        PyObject *item = i < n ? PySequence_Fast_GET_ITEM(planes, i) : PySequence_Fast_GET_ITEM(targets, i - n);
+        if (PyObject_GetBuffer(item, &views[i], i < n ? PyBUF_SIMPLE : PyBUF_WRITABLE)) ok = 0;
+    }
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        coders[i] = PyCapsule_GetPointer(PySequence_Fast_GET_ITEM(models, i), CAPSULE_NAME);
+        ok = coders[i] != NULL;
+    }
+    size_t most = 0;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {  /* shapes and offsets checked before anything is written */
+        size_t count = (size_t)tokens[i] * coders[i]->heads, row = coders[i]->dim * kvn_itemsize(dtype);
+        ok = tokens[i] >= 0 && starts[i] >= 0 && (size_t)starts[i] <= nrows && count <= nrows - (size_t)starts[i] &&
+             out_index[i] >= 0 && out_index[i] < ntargets;
+        for (size_t r = 0; ok && r < count; r++) {
+            int64_t at = rows[starts[i] + r];
+            ok = at == -1 || (at >= 0 && (size_t)at <= (size_t)views[n + out_index[i]].len &&
+                              row <= (size_t)views[n + out_index[i]].len - (size_t)at);
+        }
+        if (count > most) most = count;
+    }
+    uint8_t **pointers = ok ? malloc((most + 1) * sizeof *pointers) : NULL;
+    if (ok && !pointers) rc = KVN_ERR_NOMEM;
+    if (pointers) {
+        rc = KVN_OK;
+        kvn_pca_angles angles = {0};  /* the run's key tensors share their blocks' angles */
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; rc == KVN_OK && i < n; i++) {
+            uint8_t *base = views[n + out_index[i]].buf;
+            size_t count = (size_t)tokens[i] * coders[i]->heads;
+            for (size_t r = 0; r < count; r++) pointers[r] = rows[starts[i] + r] < 0 ? NULL : base + rows[starts[i] + r];
+            rc = kvn_pca_decode_rows_with(coders[i], dtype, (size_t)tokens[i], views[i].buf, (size_t)views[i].len, pointers,
+                                          &angles);
+            failed_at = i;
+        }
+        kvn_pca_angles_free(&angles);
+        Py_END_ALLOW_THREADS
+    }
+    free(pointers);
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(coders);
+    Py_XDECREF(planes);
+    Py_XDECREF(models);
+    Py_XDECREF(targets);
+    PyBuffer_Release(&tokens_buf);
+    PyBuffer_Release(&rows_buf);
+    PyBuffer_Release(&starts_buf);
+    PyBuffer_Release(&index_buf);
+    if (PyErr_Occurred()) return NULL;
+    if (rc == KVN_ERR_NOMEM) return PyErr_NoMemory();
+    return Py_BuildValue("in", rc, failed_at);
 }

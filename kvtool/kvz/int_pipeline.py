@@ -20,11 +20,11 @@ import numpy as np
 from kvtool._native import xxh3_64
 from kvtool._native.batch import Buffer, ChunkDecodeError
 from kvtool._native.int_batch import STRIDED, VERIFY_CODES, VERIFY_SCALES, Declined, IntBatchCodec, int_jobs
-from kvtool.errors import DecodeError, UsageError
+from kvtool.errors import DecodeError
 from kvtool.kvz.format import FLAG_STORED_RAW, KvzCorruptError
 from kvtool.kvz.header import KvzHeader
 from kvtool.destinations import Destination
-from kvtool.kvz.pipeline import Blocks, PerChunk
+from kvtool.kvz.pipeline import Blocks, PerChunk, checked_plane
 from kvtool.kvz.sources import READ_RUN
 from kvtool.layouts import int_codes
 
@@ -93,10 +93,10 @@ class IntBatch(PerChunk):
         entries = h.index[records]
         raw = (entries["flags"] & FLAG_STORED_RAW) != 0
         planes = [
-            self._plane(view[at : at + length], r, plane, stored_xxh3, raw_len, stored_raw)
-            for r, plane, at, length, stored_xxh3, raw_len, stored_raw in zip(
+            checked_plane(h, self._codecs[plane], view[at : at + length], r, stored_raw)
+            for r, plane, at, length, stored_raw in zip(
                 records.tolist(), entries["plane"].tolist(), (entries["offset"].astype(np.int64) - base).tolist(),
-                entries["stored_len"].tolist(), entries["stored_xxh3"].tolist(), entries["raw_len"].tolist(), raw.tolist())
+                entries["stored_len"].tolist(), raw.tolist())
         ]
         tensor = blocks.tensor[lo : lo + len(first)]
         jobs = int_jobs(len(first))
@@ -138,18 +138,3 @@ class IntBatch(PerChunk):
                 row += int(xxh3_64(planes[2 * exc.job]) == int(h.index[row]["raw_xxh3"]))  # the codes, or the scales
                 raise h.chunk_error(KvzCorruptError, row, f"{h.describe(row)} decodes to different bytes than were written") from None
             raise h.chunk_error(KvzCorruptError, row, f"{h.describe(row)} {exc}") from None
-
-    def _plane(self, stored: memoryview, r: int, plane: int, stored_xxh3: int, raw_len: int, stored_raw: bool) -> Buffer:
-        """Index record ``r``'s plane: its stored checksum checked, decompressed unless stored raw, its size checked."""
-        h = self.header
-        if xxh3_64(stored) != stored_xxh3:
-            raise h.chunk_error(KvzCorruptError, r, f"checksum mismatch in {h.describe(r)}")
-        if stored_raw:
-            return stored  # its checksum, just verified, is the raw checksum too
-        try:
-            raw = self._codecs[plane].decode(stored, max_size=raw_len)
-        except (DecodeError, UsageError) as exc:
-            raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} does not decode: {exc}") from None
-        if len(raw) != raw_len:
-            raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} decodes to different bytes than were written")
-        return raw

@@ -23,7 +23,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -227,6 +227,23 @@ class PerChunk(ChunkPipeline):
             layouts.inverse_into(planes, block_spec, out)
         except DecodeError as exc:
             raise h.chunk_error(KvzCorruptError, row, f"{h.describe(row)} does not decode: {exc}") from None
+
+
+def checked_plane(h: KvzHeader, codec: Any, stored: memoryview, r: int, stored_raw: bool) -> Buffer:
+    """Index record ``r``'s plane for a stage's batch: its stored checksum checked, decompressed by ``codec`` unless
+    stored raw, its size checked (its raw checksum is the caller's, or the core's)."""
+    entry = h.index[r]
+    if xxh3_64(stored) != int(entry["stored_xxh3"]):
+        raise h.chunk_error(KvzCorruptError, r, f"checksum mismatch in {h.describe(r)}")
+    if stored_raw:
+        return stored  # its checksum, just verified, is the raw checksum too
+    try:
+        raw: Buffer = codec.decode(stored, max_size=int(entry["raw_len"]))
+    except (DecodeError, UsageError) as exc:
+        raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} does not decode: {exc}") from None
+    if len(raw) != int(entry["raw_len"]):
+        raise h.chunk_error(KvzCorruptError, r, f"{h.describe(r)} decodes to different bytes than were written")
+    return raw
 
 
 def _runs(begin: np.ndarray, end: np.ndarray, limit: int) -> list[tuple[int, int]]:

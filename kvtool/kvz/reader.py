@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from kvtool._native import xxh3_64
+from kvtool._native.int_batch import IntBatchCodec
+from kvtool._native.pca_batch import PcaBatchKernel
 from kvtool.cache import KVCache
 from kvtool.destinations import Arena, Destination, EachBlock, Rows
 from kvtool.dtypes import DType
@@ -20,6 +22,7 @@ from kvtool.kvz.format import (
 )
 from kvtool.kvz.header import KvzHeader, Tensor, read_metadata
 from kvtool.kvz.int_pipeline import IntBatch
+from kvtool.kvz.pca_pipeline import PcaBatch
 from kvtool.kvz.pipeline import Blocks, ChunkPipeline, NativeBatch, PerChunk
 from kvtool.kvz.sources import Buffer, ByteSource, BytesSource, FileSource
 from kvtool.layouts.base import PlaneSpec
@@ -312,14 +315,18 @@ class KvzReader:
 
 
 def pipeline_for(header: KvzHeader) -> ChunkPipeline:
-    """The native batch where the recipe's stages offer one on this dtype (a codec's batch kernel, or the ``int``
-    stage's over zstd planes), else per chunk."""
+    """The native batch where the recipe's stages offer one on this dtype (a codec's batch kernel, or the ``int`` or
+    ``pca`` stage's over zstd planes), else per chunk."""
     dtype = header.dtype.numpy
     batch = header.recipe.batch_kernel(dtype)
     if batch is not None:
         return NativeBatch(header, batch)
     stage = header.recipe.stage_kernel(dtype)
-    return IntBatch(header, stage) if stage is not None else PerChunk(header)
+    if isinstance(stage, IntBatchCodec):
+        return IntBatch(header, stage)
+    if isinstance(stage, PcaBatchKernel):
+        return PcaBatch(header, stage)
+    return PerChunk(header)
 
 
 def _discard(tensor: int, token: int, block: np.ndarray) -> None:

@@ -13,15 +13,18 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import numpy as np
 
 from kvtool._native.int_batch import IntBatchCodec
+from kvtool._native.pca_batch import PcaBatchKernel
 from kvtool.dtypes import DTYPES
 from kvtool.component import Component
 from kvtool.errors import DecodeError, UsageError
 
+#: A stage's native kernel, which its own batch pipeline drives (``kvtool.kvz.reader.pipeline_for``).
+StageKernel: TypeAlias = "IntBatchCodec | PcaBatchKernel"
 #: The name of a chain's input plane; planes split off it are named by their part alone.
 INPUT_NAME = "data"
 #: Where the tokens are in a chain's input ``[heads, tokens, dim]``, counted from the end.
@@ -95,7 +98,7 @@ class Layout(Component, abc.ABC):
         """
         return self
 
-    def batch_kernel(self, dtype: np.dtype) -> IntBatchCodec | None:
+    def batch_kernel(self, dtype: np.dtype) -> StageKernel | None:
         """The native kernel that restores runs of blocks of this layout, alone in its recipe, straight into a
         destination's rows from its planes (decoded by codecs that ``plane_batch``), or None: most layouts have none."""
         return None

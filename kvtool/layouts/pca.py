@@ -29,13 +29,16 @@ The C core (pca.c) writes and reads the same bytes as the numpy reference
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import threading
-from typing import Any
+from typing import Any, Hashable, cast
 
 import numpy as np
 
 from kvtool import _native
+from kvtool._native.core_api import NativeCore
+from kvtool._native.pca_batch import PcaBatchKernel
 from kvtool.dtypes import dtype_of
 from kvtool.errors import DecodeError, UsageError
 from kvtool.layouts import pca_reference as ref
@@ -48,6 +51,8 @@ from kvtool.modeldict.registry import MissingDictionaryError
 from kvtool.modeldict.coefficients import SYMBOLS, costs
 
 KINDS = ("k", "v")
+#: Tensor coders kept for reuse across recipes (a few models' worth of layers, keys and values, at a few steps).
+CODERS = 1024
 MAX_STEP = 16.0
 MAX_TOKENS = 1 << 24
 
@@ -124,7 +129,8 @@ class Pca(LossyLayout):
         with self._lock:
             found = self._coders.get(key)
         if found is None:
-            found = _coder(self.dictionary(), self._layer, self._kind, self._relative_step(self._kind))
+            core = cast(Hashable, _native.core())  # a module, or None
+            found = _shared_coder(self.dictionary().id, self._layer, self._kind, self._relative_step(self._kind), core)
             with self._lock:
                 self._coders[key] = found
         if block is not None and (block.shape[0], block.shape[2]) != (found.heads, found.dim):
@@ -193,6 +199,9 @@ class Pca(LossyLayout):
         if status:
             raise DecodeError(f"pca block: {'malformed' if status == 1 else f'decoder status {status}'}")
 
+    def batch_kernel(self, dtype: np.dtype) -> PcaBatchKernel | None:
+        return PcaBatchKernel.of(dtype)
+
     def error_bound(self, block: np.ndarray) -> np.ndarray:
         return error_bound(block, self.tensor(PlaneSpec.of(block)), self._position, self.exact_tokens(block.shape[1]))
 
@@ -213,7 +222,17 @@ def _step(name: str, value: Any) -> float:
     return float(value)
 
 
-def _coder(dictionary: BasisDictionary, layer: int, kind: str, relative: float) -> ref.Tensor:
+@functools.lru_cache(maxsize=CODERS)
+def _shared_coder(dictionary_id: str, layer: int, kind: str, relative: float, core: Hashable) -> ref.Tensor:
+    """A tensor's coder, built once for every recipe and entry that names it: each .kvz or entry read parses its own
+    recipe, and building 60 coders (their C tables among them) costs about as much as restoring an entry. Keyed by
+    the core too, which owns the coder's tables (None: the numpy reference's alone)."""
+    found = registry.lookup(dictionary_id)
+    assert isinstance(found, BasisDictionary)  # the caller looked it up
+    return _coder(found, layer, kind, relative, core)
+
+
+def _coder(dictionary: BasisDictionary, layer: int, kind: str, relative: float, core: object) -> ref.Tensor:
     basis = dictionary.basis(layer, kind)
     if basis is None:
         raise UsageError(f"layout 'pca': dictionary {dictionary.id[:8]} ({dictionary.describe()}) has no basis for layer "
@@ -228,8 +247,7 @@ def _coder(dictionary: BasisDictionary, layer: int, kind: str, relative: float) 
     rows = np.ascontiguousarray(basis.basis[:coded])
     frequencies = dictionary.frequencies if dictionary.rope and kind == "k" else None
     table_costs, class_costs = costs(dictionary.class_tables, PROB_BITS), costs(dictionary.class_model, PROB_BITS)
-    core = _native.core()
-    native = None if core is None else core.pca_model(
+    native = None if core is None else cast(NativeCore, core).pca_model(
         basis.mean.astype("<f4").tobytes(), rows.astype("<i2").tobytes(),
         b"" if frequencies is None else frequencies.astype("<f4").tobytes(), freq[: classes + 1].astype("<u2").tobytes(),
         table_costs.astype("<i8").tobytes(), class_costs.astype("<i8").tobytes(), dictionary.heads, dictionary.dim, coded,

@@ -119,7 +119,8 @@ def centered(block: np.ndarray, tensor: Tensor, position: int) -> np.ndarray:
     x = np.ascontiguousarray(block.astype(np.float32).transpose(1, 0, 2))
     if tensor.frequencies is not None:
         x = rotate(x, *rotation(np.arange(tokens) + position, tensor.frequencies), back=True)
-    return x.reshape(tokens, tensor.width) - tensor.mean
+    y: np.ndarray = x.reshape(tokens, tensor.width) - tensor.mean
+    return y
 
 
 def coefficients(y: np.ndarray, tensor: Tensor) -> np.ndarray:
@@ -136,7 +137,8 @@ def quantize(acc: np.ndarray, tensor: Tensor) -> np.ndarray:
     """float64 ``q``: the coefficients over the step, rounded to the nearest integer (ties to even); integers,
     as floats because a token kept exact may have some beyond any integer type."""
     inverse = 1.0 / np.float64(tensor.step)
-    return np.rint(acc.astype(np.float64) * inverse)
+    q: np.ndarray = np.rint(acc.astype(np.float64) * inverse)
+    return q
 
 
 def reconstruct(q: np.ndarray, tensor: Tensor, positions: np.ndarray) -> np.ndarray:
@@ -144,7 +146,7 @@ def reconstruct(q: np.ndarray, tensor: Tensor, positions: np.ndarray) -> np.ndar
     sums = q.astype(np.float64) @ tensor.basis.astype(np.float64)  # integers below 2**31: exact in any order
     gain = np.float32(np.float64(tensor.step) * 2.0**-BASIS_BITS)
     v = sums.astype(np.float32) * gain + tensor.mean
-    x = v.reshape(len(q), tensor.heads, tensor.dim)
+    x: np.ndarray = v.reshape(len(q), tensor.heads, tensor.dim)
     if tensor.frequencies is not None:
         x = rotate(x, *rotation(positions, tensor.frequencies), back=False)
     return x
@@ -157,7 +159,8 @@ def exact_beyond(q: np.ndarray, tensor: Tensor, dtype: np.dtype) -> np.ndarray:
     kind = dtype_of(dtype)
     top = (2.0 - 2.0**-kind.mantissa_bits) * 2.0 ** ((1 << (kind.exponent_bits - 1)) - 1)  # the largest finite value
     reach = 2.0 * (total * np.float64(tensor.step) + float(np.abs(tensor.mean).max(initial=0.0)))
-    return (np.abs(q) > MAX_Q).any(axis=1) | (total >= MAX_SUM) | (reach >= top / 2)
+    exact: np.ndarray = (np.abs(q) > MAX_Q).any(axis=1) | (total >= MAX_SUM) | (reach >= top / 2)
+    return exact
 
 
 # -- the coefficients' extra bits --------------------------------------------------------------
@@ -232,7 +235,8 @@ def decode(plane: np.ndarray, tensor: Tensor, shape: tuple[int, int, int], dtype
         raise DecodeError("pca block: not a plane of this block (size or mode)")
     if data[0] == MODE_EXACT:
         _zero_after(data, 1 + raw)
-        return np.frombuffer(data, dtype, tokens * heads * dim, 1).reshape(shape).copy()
+        stored: np.ndarray = np.frombuffer(data, dtype, tokens * heads * dim, 1).reshape(shape).copy()
+        return stored
     _, version, components, tag, position, stream_len, extra_len, count = HEAD.unpack_from(data)
     if version != VERSION or tag != tensor.tag or components != tensor.basis.shape[0]:
         raise DecodeError("pca block: another version, dictionary or allocation than the recipe's")
