@@ -9,11 +9,12 @@ restored each of these ways, rounds alternated so that the machine's load falls 
 - ``read``: ``KvzReader.read`` into one array, by the pipeline the reader picks (the batch where the core is
   built) and by the per-chunk path;
 - ``rows``: into rows of shuffled paged blocks (vLLM's CPU pages of 16 tokens, as the connector restores),
-  both paths.
+  both paths; and ``rows, another entry each time``: 40 entries of the same tokens at other positions in
+  turn, each read parsing its own header and recipe, as a connector's entries come out of a store.
 
 Each reports CPU ms per entry (the median of the rounds) and CPU seconds per GB of restored cache. With
-``--baseline-core``, another build of the core (``benchmarks/cores.py``) restores the batch ways too, in
-alternate rounds, from an entry of its own (the same bytes under another header: its coders are its build's).
+``--baseline-core``, another build of the core (``benchmarks/cores.py``) restores the same ways (the per-chunk
+ones alone where it has no batch kernel), in alternate rounds, from an entry of its own (the same bytes under another header: its coders are its build's).
 """
 
 from __future__ import annotations
@@ -78,14 +79,22 @@ def main() -> int:
         return opened
 
     ways: dict[str, tuple[str, Callable[[], object]]] = {}
-    for label in cores:
-        ways[f"{label}read, batch"] = (label, lambda label=label: reader(label, True).read(threads=1))
-        ways[f"{label}rows, batch"] = (label, lambda label=label: reader(label, True).read_into(destination, threads=1))
-    ways["read, per-chunk"] = ("", lambda: reader("", False).read(threads=1))
-    ways["rows, per-chunk"] = ("", lambda: reader("", False).read_into(destination, threads=1))
+    for label in cores:  # a build from before the batch kernel has the per-chunk path alone
+        batched = hasattr(cores[label], "pca_decode_run")
+        for path in ("batch", "per-chunk") if batched else ("per-chunk",):
+            ways[f"{label}read, {path}"] = (label, lambda label=label, b=path == "batch": reader(label, b).read(threads=1))
+            ways[f"{label}rows, {path}"] = (
+                label, lambda label=label, b=path == "batch": reader(label, b).read_into(destination, threads=1))
+    # entries as a store holds them, each under a header of its own (another position in the sequence): a reader
+    # parses each one's recipe, so what it builds per recipe counts too
+    fresh = [encode_cache(KVCache(cache.keys, cache.values, cache.model, token_start=BLOCK * (i + 1)), recipe)
+             for i in range(40)]
+    turn = iter(range(1 << 30))
+    ways["rows, another entry each time"] = (
+        "", lambda: KvzReader.from_bytes(fresh[next(turn) % len(fresh)]).read_into(destination, threads=1))
     for label in cores:
         use_core(cores[label])
-        first = reader(label, True)
+        first = reader(label, hasattr(cores[label], "pca_decode_run"))
         assert first.read().equal_bits(reader(label, False).read())
         print(f"{label or 'this tree'}: pca step {args.step}, ratio {cache.nbytes / len(blobs[label]):.2f}x, "
               f"pipeline {type(first._pipeline).__name__}, core {_native.status()}")
