@@ -32,6 +32,19 @@ def samples() -> list[Path]:
     return paths
 
 
+@pytest.fixture(scope="session")
+def pca_basis(samples):
+    """A transform dictionary learnt from the prose sample (keys de-rotated with SmolLM2's rope theta), registered;
+    the pca tests code the code sample with it."""
+    from kvtool.cache import KVCache
+    from kvtool.modeldict import registry
+    from kvtool.modeldict.basis_train import train_basis
+
+    dictionary = train_basis([KVCache.load(samples[1])], rope_theta=1e5)
+    registry.register(dictionary)
+    return dictionary
+
+
 @pytest.fixture(scope="module")
 def real_arrays() -> list:
     """Every fifth K and V tensor of the real samples."""

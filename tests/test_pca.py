@@ -21,24 +21,20 @@ from kvtool.layouts.lossy import bound_violation
 from kvtool.layouts.pca import Pca
 from kvtool.modeldict import registry
 from kvtool.modeldict.basis import BasisDictionary
-from kvtool.modeldict.basis_train import train_basis
 from kvtool.modeldict.registry import MissingDictionaryError
 from kvtool.recipe import Recipe
 from kvtool.testing.lossy import LossyLayoutTests
 
 from native_checks import vector_levels
 
-SMOLLM2_THETA = 1e5
 GOLDEN = Path(__file__).parent / "golden"
 needs_core = pytest.mark.skipif(_native.core() is None, reason="the native core is not built: the reference is tested alone")
 
 
-@pytest.fixture(scope="module")
-def basis(samples) -> BasisDictionary:
-    """A transform dictionary learnt from the prose sample (keys de-rotated); the tests code the code sample."""
-    dictionary = train_basis([KVCache.load(samples[1])], rope_theta=SMOLLM2_THETA)
-    registry.register(dictionary)
-    return dictionary
+@pytest.fixture
+def basis(pca_basis) -> BasisDictionary:
+    registry.register(pca_basis)  # again: a test may have set another registry's contents
+    return pca_basis
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,13 @@ from kvtool.modeldict.basis_train import train_basis
 
 from native_checks import needs_core, vector_levels
 
-SMOLLM2_THETA = 1e5
 SPECS = ["step=0.3", "kstep=0.1,vstep=0.6,sink=0", "bits=2.5,sink=16", "step=3,recent=40"]
 
 
-@pytest.fixture(scope="module")
-def basis(samples) -> BasisDictionary:
-    dictionary = train_basis([KVCache.load(samples[1])], rope_theta=SMOLLM2_THETA)
-    registry.register(dictionary)
-    return dictionary
+@pytest.fixture
+def basis(pca_basis) -> BasisDictionary:
+    registry.register(pca_basis)
+    return pca_basis
 
 
 @pytest.fixture(scope="module")
