@@ -3,8 +3,8 @@
  *
  * Per token: its symbols from eight interleaved rANS states (one packed table entry a symbol), its
  * coefficients q, then sum[i] = sum_j q[j] * basis[j][i]: integers, so any order gives the reference's sums;
- * with AVX2 or AVX-512 two components at a time (vpmaddwd on rows interleaved in pairs), 64 or 128 outputs in
- * registers, over the pairs whose coefficients are not both zero. */
+ * with AVX2 or AVX-512 two components at a time (vpmaddwd on rows interleaved in pairs), for eight tokens per
+ * pass over the basis, over the pairs whose coefficients are not all zero in those tokens. */
 #include "pca_impl.h"
 #include "pca_symbols.h"
 
@@ -45,7 +45,7 @@ static void sums_plain(const int32_t *pairs, const int32_t *q2, size_t npairs, c
 }
 
 #ifdef PCA_AVX2
-/* PCA_BATCH tokens (count of them kept) 16 outputs a pass with AVX2, then the outputs past the last 16. */
+/* PCA_BATCH tokens (count of them kept) 8 outputs a pass with AVX2, then the outputs past the last 8. */
 __attribute__((target("avx2"))) static void sums_avx2(const int32_t *pairs, const int32_t *q2, size_t npairs,
                                                       const uint32_t *nz, size_t n, size_t width, size_t count,
                                                       int32_t *sums) {
@@ -70,7 +70,7 @@ __attribute__((target("avx2"))) static void sums_avx2(const int32_t *pairs, cons
     }
 }
 
-/* The same with AVX-512: 64 outputs a pass (16 a register), then 16, the last ones masked. */
+/* The same with AVX-512: 32 outputs a pass (16 a register), then 16, the last ones masked. */
 __attribute__((target("avx2,avx512f,avx512bw"))) static void sums_avx512(const int32_t *pairs, const int32_t *q2,
                                                                         size_t npairs, const uint32_t *nz, size_t n,
                                                                         size_t width, size_t count, int32_t *sums) {
@@ -168,7 +168,8 @@ typedef struct {
     uint8_t *cls;
     uint32_t *live;         /* the components with a class, in order */
     uint32_t *base;         /* [components + 8]: each live component's slot row (its class * 2^11) */
-    uint8_t *words;         /* the stream's words and 8 zero words, where the plane holds fewer past them */
+    uint8_t *words;         /* the stream's words and 8 zero words, allocated only where the plane holds fewer past
+                             * them (a crafted plane: a real one has room to spare) */
     uint32_t *nz;           /* [pairs]: a token's pairs with a coefficient that is not zero */
     const kvn_pca_angles *angles;  /* the block's rotary angles, computed before its tokens; NULL: per token */
     int isa;                /* the basis sums' vector level (the process's, kvn_isa(), asked once a plane) */
@@ -275,7 +276,8 @@ static int decode_coded(const kvn_pca_model *m, int dtype, size_t tokens, const 
                              .nbytes = bits.len};
     memcpy(reader.x, r.x, sizeof reader.x);
     if ((size_t)(r.words - plane) + 2 * (r.nwords + 8) > plane_len) {  /* readers read 8 words past the last */
-        memset(s->words, 0, 2 * (r.nwords + 8));
+        s->words = calloc(r.nwords + 8, 2);
+        if (!s->words) return KVN_ERR_NOMEM;
         memcpy(s->words, r.words, 2 * r.nwords);
         reader.words = s->words;
     }
@@ -364,7 +366,7 @@ int kvn_pca_decode_rows_with(const kvn_pca_model *m, int dtype, size_t tokens, c
     size_t c = m->components, npairs = (c + 1) / 2 + 1;
     decode_scratch s = {malloc(4 * PCA_BATCH * npairs), malloc(4 * PCA_BATCH * m->width), malloc(4 * m->width),
                         malloc(2 * m->dim + 4), malloc(2 * m->dim + 4), malloc(c + 1), malloc(4 * c + 4),
-                        malloc(4 * c + 32), malloc(plane_len + 16), malloc(4 * npairs), NULL, KVN_ISA_SCALAR};
+                        malloc(4 * c + 32), NULL, malloc(4 * npairs), NULL, KVN_ISA_SCALAR};
 #ifdef PCA_AVX2
     s.isa = kvn_isa();
 #endif
@@ -373,7 +375,7 @@ int kvn_pca_decode_rows_with(const kvn_pca_model *m, int dtype, size_t tokens, c
         if (position <= KVN_PCA_MAX_POSITION - tokens && angles_for(angles, m, position, tokens) == KVN_OK)
             s.angles = angles;
     }
-    int rc = s.q2 && s.sums && s.x && s.cs && s.sn && s.cls && s.live && s.base && s.words && s.nz
+    int rc = s.q2 && s.sums && s.x && s.cs && s.sn && s.cls && s.live && s.base && s.nz
                  ? decode_coded(m, dtype, tokens, plane, plane_len, rows, &s)
                  : KVN_ERR_NOMEM;
     free(s.q2);

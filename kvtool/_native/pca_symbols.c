@@ -11,6 +11,17 @@
 
 #define SLOT_MASK ((1u << KVN_PCA_PROB_BITS) - 1u)
 
+#if defined(KVN_PCA_TOKEN_AVX2)
+/* RANKS[m] byte u: how many of the lanes below u have their bit set in mask m, the word a renormalising lane u
+ * takes among the run's next eight (a table of constants: no pdep, which some AVX2 CPUs run in microcode). */
+#define RANK(m, u) ((uint64_t)__builtin_popcount((m) & ((1u << (u)) - 1u)) << (8 * (u)))
+#define RANKS_OF(m) (RANK(m, 1) | RANK(m, 2) | RANK(m, 3) | RANK(m, 4) | RANK(m, 5) | RANK(m, 6) | RANK(m, 7))
+#define RANKS4(m) RANKS_OF(m), RANKS_OF((m) + 1), RANKS_OF((m) + 2), RANKS_OF((m) + 3)
+#define RANKS16(m) RANKS4(m), RANKS4((m) + 4), RANKS4((m) + 8), RANKS4((m) + 12)
+#define RANKS64(m) RANKS16(m), RANKS16((m) + 16), RANKS16((m) + 32), RANKS16((m) + 48)
+static const uint64_t RANKS[256] = {RANKS64(0), RANKS64(64), RANKS64(128), RANKS64(192)};
+#endif
+
 /* The value of a symbol (its extra bits taken from the reader) into *q; nonzero where malformed. */
 static inline uint32_t put_value(unsigned sym, const kvn_pca_symbol *info, uint64_t *acc, unsigned *fill,
                                  const uint8_t *bytes, size_t *at_byte, size_t nbytes, uint32_t *total, uint16_t *q) {
@@ -79,9 +90,9 @@ uint32_t kvn_pca_token_scalar(kvn_pca_reader *r, const uint32_t *slots, const ui
 
 #if defined(KVN_PCA_TOKEN_AVX2)
 /* Eight symbols a step, lane u holding the state of symbol k + u: their slots gathered, the new states computed
- * together, and the lanes that renormalise given the next words in lane order (each lane's rank among them by
- * pdep); then their values, in order, as the portable reader takes them. */
-__attribute__((target("avx2,bmi,bmi2,popcnt"))) uint32_t kvn_pca_token_avx2(
+ * together, and the lanes that renormalise given the next words in lane order (each lane's rank among them from
+ * RANKS); then their values, in order, as the portable reader takes them. */
+__attribute__((target("avx2,popcnt"))) uint32_t kvn_pca_token_avx2(
     kvn_pca_reader *r, const uint32_t *slots, const uint32_t *live, const uint32_t *base, size_t nlive,
     const kvn_pca_symbol *info, uint16_t *q16, uint32_t *total) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seven = _mm256_set1_epi32(7);
@@ -105,8 +116,7 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) uint32_t kvn_pca_token_avx2(
         unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(renorm));
         const uint8_t *at = r->words + 2 * (pos < nwords ? pos : nwords);
         __m256i next = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at));
-        uint64_t ranks = _pdep_u64(0x76543210u, _pdep_u64(mask, 0x11111111u) * 0xFu);  /* nibble u: lane u's rank */
-        __m256i rank = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)_pdep_u64(ranks, 0x0F0F0F0F0F0F0F0Full)));
+        __m256i rank = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)RANKS[mask]));
         __m256i renormed = _mm256_or_si256(_mm256_slli_epi32(v, 16), _mm256_permutevar8x32_epi32(next, rank));
         x = _mm256_blendv_epi8(x, _mm256_blendv_epi8(v, renormed, renorm), active);
         pos += (size_t)__builtin_popcount(mask);

@@ -91,9 +91,14 @@ class PagedLayers:
         return all(k.device.type == "cpu" for k in self.keys)
 
     @functools.cached_property
+    def token_rows(self) -> bool:
+        """Whether every view's blocks are token rows (none is a ``TiledBlocks`` of vLLM's CPU kernels)."""
+        return all(isinstance(view, torch.Tensor) for view in self.keys + self.values)
+
+    @functools.cached_property
     def direct(self) -> bool:
-        """Whether a restore decodes straight into the pages: CPU pages whose blocks are token rows (``paged``)."""
-        return self.on_cpu and all(isinstance(view, torch.Tensor) for view in self.keys + self.values)
+        """Whether a restore decodes straight into the pages: CPU pages of token rows (``paged``)."""
+        return self.on_cpu and self.token_rows
 
     @functools.cached_property
     def paged(self) -> PagedViews:
@@ -187,8 +192,7 @@ class Restore:
         self._direct = not background and self._layers.direct
         keys, values = self._layers.keys, self._layers.values
         use_gpu = self._gpu_decode if self._gpu_decode is not None else keys[0].device.type == "cuda" and gpu.status()[0]
-        rows = all(isinstance(view, torch.Tensor) for view in keys + values)
-        if use_gpu and rows and not self._direct and len(set(self._layers.groups)) <= 1:  # the GPU pages take one block table
+        if use_gpu and self._layers.token_rows and not self._direct and len(set(self._layers.groups)) <= 1:  # the GPU pages take one block table
             from kvtool.gpu.pages import GpuPages  # imports Triton
 
             cuda_keys, cuda_values = cast("list[torch.Tensor]", keys), cast("list[torch.Tensor]", values)
